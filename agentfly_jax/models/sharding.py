@@ -1,0 +1,111 @@
+"""Logical axis names -> mesh axes (data, fsdp, tensor).
+
+Rules are data, normally taken from the experiment config (`config.mesh`, `config.sharding_rules`); the
+defaults below give FSDP over `fsdp` and Megatron-style tensor parallelism over `tensor`, with the batch
+split over `data` x `fsdp`. A parameter dimension that a mesh axis does not divide is replicated along it
+(e.g. 14 heads on tensor=4) rather than failing.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Mapping, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentfly_jax.models.transformer import logical_axes
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("value_out", None),
+    # activations
+    ("act_batch", ("data", "fsdp")),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+
+def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over `devices` (default: all) with axes data/fsdp/tensor; one size may be -1 (= the rest)."""
+    devices = list(devices if devices is not None else jax.devices())
+    unknown = set(axis_sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; expected a subset of {MESH_AXES}")
+    sizes = [int(axis_sizes.get(a, 1)) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "
+                         f"{len(devices)} are available; make the axis sizes multiply to the device count")
+    grid = np.asarray(devices).reshape(sizes)
+    # Auto axis types: jax >= 0.10 defaults to Explicit, under which GSPMD-style propagation is disabled.
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def axis_rules(rules=DEFAULT_RULES):
+    """Context manager that activates the logical->mesh rules for activation constraints during tracing."""
+    return nn.logical_axis_rules(tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules))
+
+
+def _mesh_axes_for(logical: str | None, rules) -> tuple[str, ...]:
+    for name, target in rules:
+        if name == logical:
+            if target is None:
+                return ()
+            return (target,) if isinstance(target, str) else tuple(target)
+    return ()
+
+
+def spec_for_shape(logical_spec: P, shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> P:
+    """Mesh PartitionSpec for one array: maps its logical names, dropping mesh axes that do not divide it."""
+    out, taken = [], set()
+    for dim, logical in zip(shape, tuple(logical_spec) + (None,) * (len(shape) - len(logical_spec))):
+        axes = [a for a in _mesh_axes_for(logical, rules) if a not in taken and mesh.shape.get(a, 1) > 1]
+        kept = []
+        for a in axes:
+            if dim % (math.prod(mesh.shape[x] for x in kept) * mesh.shape[a]) == 0:
+                kept.append(a)
+            else:
+                log.debug("replicating dim %d (%s) along mesh axis %r: not divisible", dim, logical, a)
+        taken.update(kept)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*out)
+
+
+def param_shardings(model: nn.Module, params, mesh: Mesh, rules=DEFAULT_RULES):
+    """NamedSharding tree matching `params` (arrays or ShapeDtypeStructs) from the model's logical names."""
+    specs = logical_axes(model)
+    return jax.tree.map(lambda spec, p: NamedSharding(mesh, spec_for_shape(spec, p.shape, mesh, rules)),
+                        specs, params, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(model: nn.Module, params, mesh: Mesh, rules=DEFAULT_RULES):
+    """Places params on the mesh by their logical axis names."""
+    return jax.device_put(params, param_shardings(model, params, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, seq, ...] input: batch over the mesh axes of `act_batch`."""
+    axes = tuple(a for a in _mesh_axes_for("act_batch", rules) if mesh.shape.get(a, 1) > 1)
+    lead = None if not axes else axes[0] if len(axes) == 1 else axes
+    return NamedSharding(mesh, P(lead, *([None] * (ndim - 1))))

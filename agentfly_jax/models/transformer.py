@@ -1,0 +1,251 @@
+"""Pure-functional Flax (linen) decoder for the Qwen2/Qwen2.5 and Llama 3 families, and its value model.
+
+Every parameter carries logical axis names (see `models/sharding.py` for the mapping to mesh axes):
+  vocab, embed, heads, kv_heads, head_dim, mlp, norm, value_out.
+Activations are constrained with act_batch, act_length, act_embed, act_heads, act_vocab.
+
+Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, D head dim,
+E hidden size, V vocab, F intermediate size.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentfly_jax.models.config import ModelConfig
+
+_KERNEL_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def _param_init(init, names):
+    return nn.with_logical_partitioning(init, names)
+
+
+def _constrain(x, names):
+    # A no-op unless logical axis rules are active (see sharding.axis_rules); then it pins activation layouts so
+    # GSPMD gathers FSDP weights instead of re-sharding activations.
+    return nn.with_logical_constraint(x, names)
+
+
+# ----------------------------------------------------------------------------------------- rotary embedding
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] (float64 math, returned as float32), with `linear` or `llama3` scaling."""
+    d = config.resolved_head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled)
+    return np.asarray(inv_freq, dtype=np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotates x [B, T, N, D] by positions [B, T] (half-split convention of HF Qwen2/Llama)."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------- masks
+def attention_mask(segment_ids, query_len: int | None = None):
+    """Causal mask within segments: [B, T, T] bool, True where query t may attend to key s.
+
+    segment_ids [B, T]: tokens attend only to earlier tokens of the same segment id (packing); padding
+    should use its own id (e.g. 0) so it never mixes with real tokens.
+    """
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same
+
+
+def dot_product_attention(q, k, v, mask, impl: str = "xla"):
+    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] bool or None (= causal) -> [B,T,H,D]."""
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=None if mask is None else mask[:, None], is_causal=mask is None, implementation="cudnn")
+    if mask is None:
+        mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))[None]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # fp32 softmax, as HF eager attention
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+# ----------------------------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", _param_init(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * y.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask):  # x [B, T, E]
+        c = self.config
+        d = c.resolved_head_dim
+
+        def proj(n_heads, head_axis, name):
+            return nn.DenseGeneral(
+                features=(n_heads, d), use_bias=c.qkv_bias, dtype=c.dtype, param_dtype=c.param_dtype,
+                kernel_init=_param_init(_KERNEL_INIT, ("embed", head_axis, "head_dim")),
+                bias_init=_param_init(nn.initializers.zeros, (head_axis, "head_dim")), name=name)(x)
+
+        q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
+        k = proj(c.num_kv_heads, "kv_heads", "k_proj")  # [B, T, K, D]
+        v = proj(c.num_kv_heads, "kv_heads", "v_proj")
+        inv_freq = jnp.asarray(rope_inv_freq(c))
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
+        out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
+        return nn.DenseGeneral(
+            features=c.hidden_size, axis=(-2, -1), use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+            kernel_init=_param_init(_KERNEL_INIT, ("heads", "head_dim", "embed")), name="o_proj")(out)
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+
+        def dense(features, names, name):
+            return nn.Dense(features, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+                            kernel_init=_param_init(_KERNEL_INIT, names), name=name)
+
+        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
+        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
+        hidden = _constrain(nn.silu(gate) * up, ("act_batch", "act_length", "act_mlp"))
+        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(hidden)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions, mask):
+        c = self.config
+        norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)  # noqa: E731
+        x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), positions, mask)
+        x = x + MLP(c, name="mlp")(norm("post_attention_layernorm")(x))
+        return _constrain(x, ("act_batch", "act_length", "act_embed"))
+
+
+class Decoder(nn.Module):
+    """Embedding + layers + final norm; returns the final hidden states [B, T, E]."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        self.embed_tokens = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
+            embedding_init=_param_init(_KERNEL_INIT, ("vocab", "embed")))
+        layer_cls = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+        self.layers = [layer_cls(c, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype)
+
+    def __call__(self, input_ids, positions=None, segment_ids=None):
+        """input_ids [B, T] int; positions [B, T] (default 0..T-1); segment_ids [B, T] for packed sequences."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        mask = None if segment_ids is None else attention_mask(segment_ids)
+        x = _constrain(self.embed_tokens(input_ids), ("act_batch", "act_length", "act_embed"))
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        return self.norm(x)
+
+    def attend(self, hidden):
+        return self.embed_tokens.attend(hidden)
+
+
+class CausalLM(nn.Module):
+    """The policy: `apply({"params": p}, input_ids, positions=None, segment_ids=None) -> logits [B, T, V]`.
+
+    `method=CausalLM.hidden_states` and `method=CausalLM.logits_from_hidden` split the call, so losses can
+    compute log-probabilities in sequence chunks without materialising all logits at once.
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        self.model = Decoder(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+                                    kernel_init=_param_init(_KERNEL_INIT, ("embed", "vocab")))
+
+    def hidden_states(self, input_ids, positions=None, segment_ids=None):
+        return self.model(input_ids, positions, segment_ids)
+
+    def logits_from_hidden(self, hidden):
+        logits = self.model.attend(hidden) if self.config.tie_word_embeddings else self.lm_head(hidden)
+        return _constrain(logits, ("act_batch", "act_length", "act_vocab"))
+
+    def __call__(self, input_ids, positions=None, segment_ids=None):
+        return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
+
+
+class ValueModel(nn.Module):
+    """The critic: the same trunk with a scalar head. `apply(...) -> values [B, T]` in float32."""
+
+    config: ModelConfig
+
+    def setup(self):
+        c = self.config
+        self.model = Decoder(c)
+        self.value_head = nn.Dense(1, use_bias=True, dtype=jnp.float32, param_dtype=c.param_dtype,
+                                   kernel_init=_param_init(nn.initializers.zeros, ("embed", "value_out")),
+                                   bias_init=_param_init(nn.initializers.zeros, ("value_out",)))
+
+    def __call__(self, input_ids, positions=None, segment_ids=None):
+        hidden = self.model(input_ids, positions, segment_ids)
+        return self.value_head(hidden.astype(jnp.float32))[..., 0]
+
+
+def init_params(model: nn.Module, rng, seq_len: int = 8):
+    """Random parameters (unboxed) for `model`; used for fresh models and as shape templates."""
+    dummy = jnp.zeros((1, seq_len), jnp.int32)
+    return nn.unbox(jax.jit(model.init)(rng, dummy))["params"]
+
+
+def logical_axes(model: nn.Module, seq_len: int = 8):
+    """PartitionSpec tree of logical axis names, matching `params` (computed abstractly, no allocation)."""
+    dummy = jnp.zeros((1, seq_len), jnp.int32)
+    boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy)
+    return nn.get_partition_spec(boxed)["params"]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Sets up everything agentfly-jax needs on a fresh machine, idempotently: a second run only checks.
+#   - .venv/ in the repo root (reused when present) with the package (editable) and its test extras.
+# Re-installs only when setup.cfg or scripts/constraints.txt changed since the last successful run.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment at .venv/"
+  "$PY" -m venv "$VENV"
+fi
+
+stamp="$VENV/.agentfly_jax_installed"
+want="$(cat setup.cfg scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  log "python packages up to date"
+else
+  log "installing python packages (first run takes a few minutes)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+  # torch is pinned to the CPU build in constraints.txt: an unpinned torch pulls a multi-GB CUDA build.
+  "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test]"
+  # CUDA-linked vision/audio wheels break `import transformers` beside the CPU torch; nothing needs them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -m pip check
+  echo "$want" > "$stamp"
+fi
