@@ -23,7 +23,8 @@ else
   log "installing python packages (first run takes a few minutes)"
   "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
   # torch is pinned to the CPU build in constraints.txt: an unpinned torch pulls a multi-GB CUDA build.
-  "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test]"
+  "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test]" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   # CUDA-linked vision/audio wheels break `import transformers` beside the CPU torch; nothing needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   "$VENV/bin/python" -m pip check

@@ -110,6 +110,47 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * y.astype(self.dtype)
 
 
+class HeadProjection(nn.Module):
+    """x [B, T, E] -> [B, T, N, D] (q/k/v), kernel [E, N, D] (+ bias [N, D]).
+
+    Written out rather than nn.DenseGeneral: DenseGeneral initialises a flat kernel and reshapes it, which
+    breaks logical sharding constraints on the kernel when axis rules are active.
+    """
+
+    num_heads: int
+    head_dim: int
+    use_bias: bool
+    head_axis: str
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (x.shape[-1], self.num_heads, self.head_dim)
+        kernel = self.param("kernel", _param_init(_KERNEL_INIT, ("embed", self.head_axis, "head_dim")),
+                            shape, self.param_dtype)
+        y = jnp.einsum("bte,end->btnd", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.use_bias:
+            bias = self.param("bias", _param_init(nn.initializers.zeros, (self.head_axis, "head_dim")),
+                              shape[1:], self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class OutProjection(nn.Module):
+    """[B, T, H, D] -> [B, T, E], kernel [H, D, E]."""
+
+    features: int
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", _param_init(_KERNEL_INIT, ("heads", "head_dim", "embed")),
+                            (*x.shape[-2:], self.features), self.param_dtype)
+        return jnp.einsum("btnd,nde->bte", x.astype(self.dtype), kernel.astype(self.dtype))
+
+
 class Attention(nn.Module):
     config: ModelConfig
 
@@ -119,10 +160,7 @@ class Attention(nn.Module):
         d = c.resolved_head_dim
 
         def proj(n_heads, head_axis, name):
-            return nn.DenseGeneral(
-                features=(n_heads, d), use_bias=c.qkv_bias, dtype=c.dtype, param_dtype=c.param_dtype,
-                kernel_init=_param_init(_KERNEL_INIT, ("embed", head_axis, "head_dim")),
-                bias_init=_param_init(nn.initializers.zeros, (head_axis, "head_dim")), name=name)(x)
+            return HeadProjection(n_heads, d, c.qkv_bias, head_axis, c.dtype, c.param_dtype, name=name)(x)
 
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
         k = proj(c.num_kv_heads, "kv_heads", "k_proj")  # [B, T, K, D]
@@ -131,9 +169,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
         out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
-        return nn.DenseGeneral(
-            features=c.hidden_size, axis=(-2, -1), use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-            kernel_init=_param_init(_KERNEL_INIT, ("heads", "head_dim", "embed")), name="o_proj")(out)
+        return OutProjection(c.hidden_size, c.dtype, c.param_dtype, name="o_proj")(out)
 
 
 class MLP(nn.Module):
