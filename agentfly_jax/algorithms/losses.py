@@ -1,0 +1,216 @@
+"""Token-masked losses: PPO clipped policy loss, clipped value loss, KL estimators, entropy bonus, aggregation,
+and truncated importance-sampling weights between the trainer's and the sampler's logprobs.
+
+All per-token inputs are fp32-castable [B, T] arrays aligned with `action_mask` (see `advantages.py`); values at
+non-action positions are never read (they are selected away with `where`, so even inf/nan there is harmless).
+Metrics are dicts of fp32 scalars computed over action tokens (0 when there are none).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from agentfly_jax.algorithms.advantages import as_float_mask
+from agentfly_jax.algorithms.registry import register_policy_loss
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+def _check_mode(mode):
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"unknown loss aggregation mode '{mode}'; known: {', '.join(AGGREGATION_MODES)}")
+
+
+def loss_denominator(action_mask, mode="token-mean"):
+    """The normaliser `aggregate_loss` divides by: action-token count ("token-mean") or number of sequences with
+    at least one action token (the "seq-mean-*" modes). Additive over micro-batches, so a trainer can compute it
+    once on the full batch and pass it as `denominator` to make micro-batch losses sum to the full-batch loss."""
+    _check_mode(mode)
+    mask = as_float_mask(action_mask)  # [B, T]
+    if mode == "token-mean":
+        return jnp.sum(mask)
+    return jnp.sum(jnp.max(mask, axis=1))
+
+
+def _loss_numerator(per_token, mask, mode, norm_len):
+    masked = jnp.where(mask > 0, per_token, 0.0).astype(jnp.float32)  # [B, T]
+    if mode == "token-mean":
+        return jnp.sum(masked)
+    per_sequence = jnp.sum(masked, axis=1)  # [B]
+    if mode == "seq-mean-token-mean":
+        return jnp.sum(per_sequence / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
+    horizon = mask.shape[1] if norm_len is None else norm_len
+    return jnp.sum(per_sequence) / horizon
+
+
+def aggregate_loss(per_token, action_mask, mode="token-mean", *, norm_len=None, denominator=None):
+    """Reduces a per-token loss [B, T] over action tokens to a scalar.
+
+    - "token-mean": sum over all action tokens / their count.
+    - "seq-mean-token-mean": each sequence's mean over its action tokens, averaged over the sequences that have any.
+    - "seq-mean-token-sum-norm" (Dr.GRPO): each sequence's sum over its action tokens / a constant horizon
+      (`norm_len`, default T), averaged over the sequences that have any action token.
+    `denominator` replaces the local normaliser (see `loss_denominator`). No action tokens at all gives 0, not nan.
+    """
+    _check_mode(mode)
+    mask = as_float_mask(action_mask)
+    numerator = _loss_numerator(per_token, mask, mode, norm_len)
+    if denominator is None:
+        denominator = loss_denominator(mask, mode)
+    return numerator / jnp.where(denominator > 0, denominator, 1.0)
+
+
+def _masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _masked_extreme(x, mask, reduce, fill):
+    extreme = reduce(jnp.where(mask > 0, x, fill))
+    return jnp.where(jnp.sum(mask) > 0, extreme, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ policy loss
+@register_policy_loss("ppo")
+def ppo_policy_loss(
+    logprobs, old_logprobs, advantages, action_mask, *, clip_eps=0.2, clip_eps_high=None, dual_clip=None,
+    agg="token-mean", is_weights=None, norm_len=None, denominator=None,
+):
+    """PPO clipped surrogate -> (loss, metrics), with ratio = exp(logprobs - old_logprobs) per token [B, T].
+
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high defaults to clip_eps; larger values
+    are DAPO's clip-higher). With `dual_clip` (> 1), a negative-advantage token's loss is capped at
+    dual_clip * (-A). `is_weights` [B, T] (e.g. `truncated_is_weights`) multiply the per-token loss, without
+    gradient, before aggregation by `agg` (see `aggregate_loss`, which also takes `norm_len`, `denominator`).
+
+    Metrics: clip_fraction (action tokens where the clipped term is the active one, i.e. its gradient is cut),
+    dual_clip_fraction, approx_kl (mean over action tokens of the k3 estimator (r - 1) - log r of KL(old || new)),
+    ratio_mean, ratio_min, ratio_max.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (it caps the loss at dual_clip * -A), got {dual_clip}")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    mask = as_float_mask(action_mask)  # [B, T]
+    is_action = mask > 0
+    log_ratio = jnp.where(is_action, logprobs - old_logprobs, 0.0).astype(jnp.float32)  # [B, T]
+    ratio = jnp.exp(log_ratio)
+    advantages = jnp.where(is_action, advantages, 0.0).astype(jnp.float32)
+
+    unclipped = -advantages * ratio  # [B, T]
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = jnp.zeros_like(clip_active)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_active = (advantages < 0) & (per_token > cap)
+        per_token = jnp.where(dual_active, cap, per_token)
+    if is_weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(is_weights)
+
+    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, denominator=denominator)
+    metrics = {
+        "clip_fraction": _masked_mean(clip_active, mask),
+        "dual_clip_fraction": _masked_mean(dual_active, mask),
+        "approx_kl": _masked_mean(ratio - 1.0 - log_ratio, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_min": _masked_extreme(ratio, mask, jnp.min, jnp.inf),
+        "ratio_max": _masked_extreme(ratio, mask, jnp.max, -jnp.inf),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+# ------------------------------------------------------------------------------------------------- value loss
+def value_loss(
+    values, old_values, returns, action_mask, *, clip_eps=0.2, agg="token-mean", norm_len=None, denominator=None
+):
+    """Clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clip(v - old, ±clip_eps)
+    -> (loss, metrics); `clip_eps=None` gives the plain 0.5 * (v - R)^2.
+
+    Metrics: value_clip_fraction (action tokens where the clipped error is the active one), value_mean,
+    return_mean.
+    """
+    mask = as_float_mask(action_mask)  # [B, T]
+    is_action = mask > 0
+    values = jnp.where(is_action, values, 0.0).astype(jnp.float32)
+    old_values = jnp.where(is_action, old_values, 0.0).astype(jnp.float32)
+    returns = jnp.where(is_action, returns, 0.0).astype(jnp.float32)
+
+    unclipped = (values - returns) ** 2  # [B, T]
+    if clip_eps is None:
+        squared_error, clip_active = unclipped, jnp.zeros(unclipped.shape, bool)
+    else:
+        clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+        clipped = (clipped_values - returns) ** 2
+        squared_error, clip_active = jnp.maximum(unclipped, clipped), clipped > unclipped
+    loss = aggregate_loss(0.5 * squared_error, mask, agg, norm_len=norm_len, denominator=denominator)
+    metrics = {
+        "value_clip_fraction": _masked_mean(clip_active, mask),
+        "value_mean": _masked_mean(values, mask),
+        "return_mean": _masked_mean(returns, mask),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+# ------------------------------------------------------------------------------------------------ KL, entropy
+def kl_k1(logprobs, ref_logprobs):
+    """k1 = logp - ref_logp per token: unbiased estimate of KL(policy || ref) under policy samples, high variance."""
+    return (logprobs - ref_logprobs).astype(jnp.float32)
+
+
+def kl_k2(logprobs, ref_logprobs):
+    """k2 = 0.5 * (logp - ref_logp)^2 per token: biased, low variance, always >= 0."""
+    return 0.5 * kl_k1(logprobs, ref_logprobs) ** 2
+
+
+def kl_k3(logprobs, ref_logprobs, *, clamp=10.0):
+    """k3 ("low_var_kl") = exp(ref - logp) - (ref - logp) - 1 per token: unbiased, >= 0, low variance.
+
+    With `clamp` (default 10, as common practice) the result is clipped to [-clamp, clamp] (it is >= 0, so in
+    effect to <= clamp), and tokens beyond it get no gradient; `clamp=None` disables it.
+    """
+    log_ratio = (ref_logprobs - logprobs).astype(jnp.float32)  # [B, T]
+    if clamp is not None:
+        # Clipping the log-ratio first changes no clamped value (k3 already >= clamp outside this range), but keeps
+        # exp finite, so a far-off token cannot turn the zero gradient of the clamp into inf * 0 = nan.
+        log_ratio = jnp.clip(log_ratio, -(clamp + 1.0), math.log(2.0 * clamp + 2.0))
+    kl = jnp.exp(log_ratio) - log_ratio - 1.0
+    return kl if clamp is None else jnp.clip(kl, -clamp, clamp)
+
+
+_KL_ESTIMATORS = {"k1": kl_k1, "kl": kl_k1, "k2": kl_k2, "mse": kl_k2, "k3": kl_k3, "low_var_kl": kl_k3}
+
+
+def kl_penalty(logprobs, ref_logprobs, kind="k3"):
+    """Per-token KL estimate [B, T] of the policy from the reference, by name: k1|kl, k2|mse, k3|low_var_kl."""
+    if kind not in _KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator '{kind}'; known: {', '.join(_KL_ESTIMATORS)}")
+    return _KL_ESTIMATORS[kind](logprobs, ref_logprobs)
+
+
+def entropy_bonus(entropy, action_mask, *, coef, agg="token-mean", norm_len=None, denominator=None):
+    """The term to ADD to the loss for an entropy bonus: -coef * entropy [B, T] aggregated over action tokens."""
+    return -coef * aggregate_loss(entropy, action_mask, agg, norm_len=norm_len, denominator=denominator)
+
+
+# ----------------------------------------------------------------------------------- importance sampling
+def truncated_is_weights(logprobs, sampler_logprobs, action_mask, *, cap):
+    """Truncated importance weights min(exp(logprobs - sampler_logprobs), cap) on action tokens, 0 elsewhere,
+    without gradient -> (weights [B, T], metrics).
+
+    `logprobs` are the trainer's pre-update (old) logprobs and `sampler_logprobs` the rollout engine's, so the
+    weights correct for the mismatch between the two. Metrics: is_weight_mean, is_weight_max,
+    is_capped_fraction (action tokens whose raw weight exceeded `cap`).
+    """
+    mask = as_float_mask(action_mask)  # [B, T]
+    is_action = mask > 0
+    raw = jnp.exp(jnp.where(is_action, logprobs - sampler_logprobs, 0.0).astype(jnp.float32))  # [B, T]
+    weights = jax.lax.stop_gradient(jnp.where(is_action, jnp.minimum(raw, cap), 0.0))
+    metrics = {
+        "is_weight_mean": _masked_mean(weights, mask),
+        "is_weight_max": _masked_extreme(weights, mask, jnp.max, -jnp.inf),
+        "is_capped_fraction": _masked_mean(raw > cap, mask),
+    }
+    return weights, jax.lax.stop_gradient(metrics)
