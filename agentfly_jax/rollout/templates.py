@@ -1,0 +1,611 @@
+"""Chat templates: conversations to token ids with an exact action mask, one-shot or incrementally.
+
+A conversation is a list of message dicts (`role`, `content`, and for assistant turns optionally
+`tool_calls`: `[{"type": "function", "function": {"name": ..., "arguments": {...}}}]` or the flat
+`[{"name": ..., "arguments": {...}}]`), plus an optional list of tool JSON schemas.
+
+Templates come in two kinds:
+- named templates written in Python here: `"qwen2.5"` and `"llama3"`, reproducing the models' reference
+  Jinja templates character for character;
+- any Hugging Face Jinja chat template (the tokenizer's own by default, or Jinja text), rendered by the
+  tokenizer; the assistant turns are found by rendering the conversation prefix by prefix.
+
+Both kinds render to `TextChunk`s, pieces of text flagged `generated` when the model writes them.
+
+Mask convention: the action mask is 1 exactly on what a model writes in an assistant turn, i.e. what it
+samples after the generation prompt up to and including the end-of-turn token at which it stops (Qwen2.5:
+content, `<tool_call>` blocks and `<|im_end|>`; Llama 3: content and `<|eot_id|>`). Role headers,
+system/user/tool text, the generation prompt and template text after the end-of-turn token (Qwen's "\\n"
+after `<|im_end|>`) are 0.
+
+Tokenisation: text between mask changes is tokenised in one piece (so special tokens split it as they
+do in `tokenizer.apply_chat_template`); generated text is tokenised on its own, exactly as a model that
+continues the generation prompt produces it. This equals tokenising the whole rendered text except where
+a BPE merge would cross the start of an assistant turn (e.g. assistant content that starts with a line
+break right after Qwen's "assistant\\n" header): such a one-shot tokenisation is not something the model
+could have sampled, and token-in/token-out training needs the sampled form.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Message = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """Token ids of a conversation and the action mask aligned to them (1 = written by the model)."""
+
+    token_ids: list[int]
+    action_mask: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TextChunk:
+    """A piece of rendered conversation text; `generated` when an assistant turn writes it."""
+
+    text: str
+    generated: bool
+
+
+class TemplateNotAppendOnlyError(ValueError):
+    """Rendering a longer conversation changed text that an earlier rendering had already produced."""
+
+    def __init__(self, message: str, token_position: int, char_position: int):
+        super().__init__(message)
+        self.token_position = token_position
+        self.char_position = char_position
+
+
+# --------------------------------------------------------------------------------------------------
+# Message helpers
+# --------------------------------------------------------------------------------------------------
+
+QWEN_VISION_PLACEHOLDERS = {
+    "image": "<|vision_start|><|image_pad|><|vision_end|>",
+    "video": "<|vision_start|><|video_pad|><|vision_end|>",
+}
+
+
+def _content_part_kind(part: Any) -> str:
+    """'text', 'image' or 'video' for one content part (Qwen2-VL conventions for media parts)."""
+    if isinstance(part, str):
+        return "text"
+    if not isinstance(part, dict):
+        raise ValueError(f"content part must be a dict like {{'type': 'text', 'text': ...}}, got {part!r}")
+    part_type = part.get("type")
+    if part_type == "image" or "image" in part or "image_url" in part or part_type == "image_url":
+        return "image"
+    if part_type == "video" or "video" in part:
+        return "video"
+    if part_type == "text" or (part_type is None and "text" in part):
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"text content part needs a string 'text' field, got {part!r}")
+        return "text"
+    raise ValueError(f"unknown content part type {part_type!r} in {part!r}; expected 'text', 'image' or 'video'")
+
+
+def _text_of_content(content: Any, template_name: str, media_placeholders: dict[str, str] | None) -> str:
+    """Text of a message's content: a string, None (empty) or a list of text/media parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"message content must be a string, None or a list of parts, got {type(content).__name__}")
+    pieces = []
+    for part in content:
+        kind = _content_part_kind(part)
+        if kind == "text":
+            pieces.append(part if isinstance(part, str) else part["text"])
+        elif media_placeholders is None:
+            raise ValueError(f"template {template_name!r} has no placeholder for {kind} content parts")
+        else:
+            pieces.append(media_placeholders[kind])
+    return "".join(pieces)
+
+
+def _has_media(content: Any) -> bool:
+    return isinstance(content, list) and any(_content_part_kind(part) != "text" for part in content)
+
+
+def _tojson(value: Any) -> str:
+    """JSON as Hugging Face's chat-template `tojson` filter writes it (non-ASCII kept, default separators)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _tool_schemas(tools: Sequence[Any] | None) -> list[dict] | None:
+    """Tool JSON schemas; Python functions are converted the way `apply_chat_template` converts them."""
+    if tools is None:
+        return None
+    schemas = []
+    for tool in tools:
+        if isinstance(tool, dict):
+            schemas.append(tool)
+        elif callable(tool):
+            from transformers.utils import get_json_schema
+
+            schemas.append(get_json_schema(tool))
+        else:
+            raise ValueError(f"each tool must be a JSON schema dict or a documented function, got {tool!r}")
+    return schemas
+
+
+def _role_of(message: Message, index: int) -> str:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
+    return message["role"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Named templates
+# --------------------------------------------------------------------------------------------------
+
+
+class _ChunkWriter:
+    """Accumulates TextChunks, joining neighbours with the same `generated` flag."""
+
+    def __init__(self):
+        self.chunks: list[TextChunk] = []
+
+    def add(self, text: str, generated: bool = False) -> None:
+        if not text:
+            return
+        if self.chunks and self.chunks[-1].generated == generated:
+            self.chunks[-1] = TextChunk(self.chunks[-1].text + text, generated)
+        else:
+            self.chunks.append(TextChunk(text, generated))
+
+
+QWEN2_5_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+_QWEN2_5_TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_QWEN2_5_TOOLS_EPILOGUE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+
+
+def _qwen2_5_tool_call_block(tool_call: Any, message_index: int) -> str:
+    if not isinstance(tool_call, dict):
+        raise ValueError(f"message {message_index}: each tool call must be a dict, got {tool_call!r}")
+    call = tool_call["function"] if "function" in tool_call else tool_call
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        raise ValueError(
+            f"message {message_index}: tool call {tool_call!r} needs a string 'name' and 'arguments' "
+            "(directly or under 'function')"
+        )
+    return '<tool_call>\n{"name": "' + call["name"] + '", "arguments": ' + _tojson(call["arguments"]) + "}\n</tool_call>"
+
+
+def render_qwen2_5(
+    messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool, tokenizer: Any = None
+) -> list[TextChunk]:
+    """Qwen2.5-Instruct's chat format (ChatML with Hermes-style tools), as TextChunks.
+
+    Content may be a list of parts; image/video parts become Qwen2.5-VL placeholders
+    (`<|vision_start|><|image_pad|><|vision_end|>`), which the vision processor later expands.
+    """
+    if not messages:
+        raise ValueError("cannot render an empty conversation: give at least one message")
+    roles = [_role_of(message, index) for index, message in enumerate(messages)]
+    out = _ChunkWriter()
+
+    def text_of(message: Message) -> str:
+        return _text_of_content(message.get("content"), "qwen2.5", QWEN_VISION_PLACEHOLDERS)
+
+    system_text = text_of(messages[0]) if roles[0] == "system" else QWEN2_5_DEFAULT_SYSTEM
+    if tools:
+        tool_lines = "".join("\n" + _tojson(tool) for tool in tools)
+        out.add("<|im_start|>system\n" + system_text + _QWEN2_5_TOOLS_PREAMBLE + tool_lines + _QWEN2_5_TOOLS_EPILOGUE)
+    else:
+        out.add("<|im_start|>system\n" + system_text + "<|im_end|>\n")
+
+    for index, (role, message) in enumerate(zip(roles, messages)):
+        if role == "system" and index == 0:
+            continue
+        if role in ("user", "system"):
+            out.add(f"<|im_start|>{role}\n" + text_of(message) + "<|im_end|>\n")
+        elif role == "assistant":
+            if _has_media(message.get("content")):
+                raise ValueError(f"message {index}: assistant messages cannot contain image or video parts")
+            content = text_of(message)
+            tool_calls = message.get("tool_calls") or []
+            blocks = [_qwen2_5_tool_call_block(call, index) for call in tool_calls]
+            if blocks:
+                written = (content + "\n" if content else "") + "\n".join(blocks)
+            else:
+                written = content
+            out.add("<|im_start|>assistant\n")
+            out.add(written + "<|im_end|>", generated=True)
+            out.add("\n")
+        elif role == "tool":
+            # Consecutive tool results share one user turn.
+            if index == 0 or roles[index - 1] != "tool":
+                out.add("<|im_start|>user")
+            out.add("\n<tool_response>\n" + text_of(message) + "\n</tool_response>")
+            if index == len(messages) - 1 or roles[index + 1] != "tool":
+                out.add("<|im_end|>\n")
+        else:
+            raise ValueError(
+                f"message {index} has role {role!r}; the qwen2.5 template knows system, user, assistant and tool"
+            )
+    if add_generation_prompt:
+        out.add("<|im_start|>assistant\n")
+    return out.chunks
+
+
+LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+def render_llama3(
+    messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool, tokenizer: Any = None
+) -> list[TextChunk]:
+    """Llama 3 Instruct's chat format (the reference `llama3.jinja`), as TextChunks.
+
+    Like the reference template, this renders each message's content only: `tools` and assistant
+    `tool_calls` have no place in it, and a tool result is a turn with the role header `tool`. Content is
+    stripped of surrounding whitespace and a None content prints as "None", both as the template does.
+    The tokenizer's `bos_token` starts the conversation.
+    """
+    if not messages:
+        raise ValueError("cannot render an empty conversation: give at least one message")
+    bos_token = getattr(tokenizer, "bos_token", None)
+    if not bos_token:
+        raise ValueError("the llama3 template starts with the tokenizer's bos_token, but the tokenizer has none")
+    out = _ChunkWriter()
+    for index, message in enumerate(messages):
+        role = _role_of(message, index)
+        content = message.get("content")
+        text = "None" if content is None else _text_of_content(content, "llama3", None)
+        header = LLAMA3_HEADER.format(role=role)
+        if index == 0:
+            header = bos_token + header
+        out.add(header)
+        out.add(text.strip() + "<|eot_id|>", generated=role == "assistant")
+    if add_generation_prompt:
+        out.add(LLAMA3_HEADER.format(role="assistant"))
+    return out.chunks
+
+
+NAMED_TEMPLATES: dict[str, Callable[..., list[TextChunk]]] = {
+    "qwen2.5": render_qwen2_5,
+    "llama3": render_llama3,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# The generic path: a Hugging Face Jinja chat template
+# --------------------------------------------------------------------------------------------------
+
+
+def _first_difference(before: str, after: str) -> int:
+    """Index of the first character where `after` stops extending `before`."""
+    limit = min(len(before), len(after))
+    for position in range(limit):
+        if before[position] != after[position]:
+            return position
+    return limit
+
+
+def _raise_not_append_only(tokenizer: Any, before: str, after: str, what: str) -> None:
+    char_position = _first_difference(before, after)
+    ids_before = tokenizer.encode(before, add_special_tokens=False)
+    ids_after = tokenizer.encode(after, add_special_tokens=False)
+    token_position = next(
+        (i for i, (a, b) in enumerate(zip(ids_before, ids_after)) if a != b), min(len(ids_before), len(ids_after))
+    )
+    raise TemplateNotAppendOnlyError(
+        f"chat template is not append-only: {what} changes earlier tokens; first difference at token "
+        f"{token_position} (character {char_position}): had {before[char_position:char_position + 40]!r}, "
+        f"now {after[char_position:char_position + 40]!r}. Token-in/token-out rollouts need a template that "
+        "only appends (templates that rewrite earlier turns, e.g. drop past reasoning, cannot be used as is).",
+        token_position=token_position,
+        char_position=char_position,
+    )
+
+
+def _generated_length(tokenizer: Any, turn_text: str) -> int:
+    """Length of what the model writes at the start of `turn_text`: up to and including its last special token.
+
+    A model stops at its end-of-turn token (a special token); template text after it is not generated.
+    A turn without special tokens counts as generated in full.
+    """
+    end = 0
+    for token in tokenizer.all_special_tokens:
+        found = turn_text.rfind(token)
+        if found >= 0:
+            end = max(end, found + len(token))
+    return end if end else len(turn_text)
+
+
+class JinjaRenderer:
+    """Renders with a Hugging Face Jinja chat template and marks assistant turns by prefix diffs."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None):
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise ValueError("the Jinja template path needs a Hugging Face tokenizer (with apply_chat_template)")
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError(
+                "the tokenizer has no chat_template: pass chat_template= one of "
+                f"{sorted(NAMED_TEMPLATES)} or the Jinja text of a template"
+            )
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def render_text(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
+        """The template's text for `messages` (as `apply_chat_template(..., tokenize=False)`)."""
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            tools=tools,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+
+    def __call__(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool, tokenizer=None
+    ) -> list[TextChunk]:
+        if not messages:
+            raise ValueError("cannot render an empty conversation: give at least one message")
+        full_text = self.render_text(messages, tools, add_generation_prompt)
+        generated_spans = []
+        for index, message in enumerate(messages):
+            if _role_of(message, index) != "assistant":
+                continue
+            if index == 0:
+                raise ValueError(
+                    "the Jinja template path finds an assistant turn after its generation prompt, so the "
+                    "conversation must not start with an assistant message"
+                )
+            prompt_text = self.render_text(messages[:index], tools, True)
+            through_text = self.render_text(messages[: index + 1], tools, False)
+            if not through_text.startswith(prompt_text):
+                _raise_not_append_only(
+                    self.tokenizer, prompt_text, through_text, f"adding assistant message {index} after its generation prompt"
+                )
+            if not full_text.startswith(through_text):
+                _raise_not_append_only(
+                    self.tokenizer, through_text, full_text, f"adding the messages after assistant message {index}"
+                )
+            turn_start = len(prompt_text)
+            generated_spans.append((turn_start, turn_start + _generated_length(self.tokenizer, through_text[turn_start:])))
+        out = _ChunkWriter()
+        cursor = 0
+        for start, end in generated_spans:
+            out.add(full_text[cursor:start])
+            out.add(full_text[start:end], generated=True)
+            cursor = end
+        out.add(full_text[cursor:])
+        return out.chunks
+
+
+def resolve_template(tokenizer: Any, chat_template: str | None, tools: Sequence[dict] | None = None):
+    """The renderer for `chat_template`: a named template, Jinja text, or None for the tokenizer's own."""
+    if chat_template in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[chat_template]
+    if chat_template is not None:
+        if not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be a template name or Jinja text, got {type(chat_template).__name__}")
+        is_jinja = "{{" in chat_template or "{%" in chat_template
+        named_in_tokenizer = isinstance(getattr(tokenizer, "chat_template", None), dict) and (
+            chat_template in tokenizer.chat_template
+        )
+        if not (is_jinja or named_in_tokenizer):
+            raise ValueError(
+                f"unknown chat template {chat_template!r}: give one of {sorted(NAMED_TEMPLATES)}, Jinja text, "
+                "or None for the tokenizer's own template"
+            )
+    if chat_template is None or not ("{{" in chat_template or "{%" in chat_template):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "the tokenizer has no chat_template: pass chat_template= one of "
+                f"{sorted(NAMED_TEMPLATES)} or the Jinja text of a template"
+            )
+        chat_template = tokenizer.get_chat_template(chat_template, tools)
+    return JinjaRenderer(tokenizer, chat_template)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenisation
+# --------------------------------------------------------------------------------------------------
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def encode_chunks(tokenizer: Any, chunks: Sequence[TextChunk]) -> Encoded:
+    """Token ids and action mask of rendered chunks; each run of same-flag text is tokenised in one piece."""
+    token_ids: list[int] = []
+    action_mask: list[int] = []
+    for chunk in chunks:
+        ids = _encode_text(tokenizer, chunk.text)
+        token_ids.extend(ids)
+        action_mask.extend([int(chunk.generated)] * len(ids))
+    return Encoded(token_ids=token_ids, action_mask=action_mask)
+
+
+def render_conversation(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[Any] | None = None,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = False,
+) -> list[TextChunk]:
+    """The conversation's text as TextChunks (generated or not), with the chosen template."""
+    schemas = _tool_schemas(tools)
+    renderer = resolve_template(tokenizer, chat_template, schemas)
+    return renderer(messages, schemas, add_generation_prompt, tokenizer)
+
+
+def encode_conversation(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    *,
+    tools: Sequence[Any] | None = None,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = False,
+) -> Encoded:
+    """Token ids of a whole conversation and the action mask (1 on every assistant turn's generated tokens).
+
+    `chat_template` is "qwen2.5", "llama3", Jinja text, or None for the tokenizer's own Jinja template.
+    `tools` is a list of tool JSON schemas (or documented functions), rendered where the template puts them.
+    """
+    chunks = render_conversation(
+        tokenizer, messages, tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+    )
+    return encode_chunks(tokenizer, chunks)
+
+
+# --------------------------------------------------------------------------------------------------
+# Incremental encoding for rollouts
+# --------------------------------------------------------------------------------------------------
+
+
+class ConversationEncoder:
+    """Token-in/token-out encoding of one rollout: sampled ids are kept, the rest is rendered incrementally.
+
+    Usage: `prompt_ids = enc.start(messages)` (ids up to and including the generation prompt), then per turn
+    `enc.append_assistant(sampled_ids, message)` and `new_ids = enc.append_messages(tool_or_user_messages)`
+    (the observation and the next generation prompt). `enc.encoded()` gives all ids and the action mask.
+
+    Every append renders the whole conversation again and checks that the earlier text is unchanged
+    (`TemplateNotAppendOnlyError` names the first differing token otherwise).
+    """
+
+    def __init__(self, tokenizer: Any, *, tools: Sequence[Any] | None = None, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.tools = _tool_schemas(tools)
+        self._render = resolve_template(tokenizer, chat_template, self.tools)
+        self.messages: list[Message] = []
+        self.token_ids: list[int] = []
+        self.action_mask: list[int] = []
+        self._rendered_text = ""  # the template's text for self.messages (ids may hold sampled forms of it)
+        self._pending_text = ""  # template text after the last assistant turn, not yet tokenised
+        self._awaiting_assistant = False
+        self._started = False
+
+    def _chunks(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[TextChunk]:
+        return self._render(messages, self.tools, add_generation_prompt, self.tokenizer)
+
+    def _check_extends(self, new_text: str, what: str) -> None:
+        if not new_text.startswith(self._rendered_text):
+            _raise_not_append_only(self.tokenizer, self._rendered_text, new_text, what)
+
+    def start(self, messages: Sequence[Message]) -> list[int]:
+        """Encode the prompt messages plus the generation prompt; returns those ids (all with mask 0).
+
+        Assistant messages inside the prompt (e.g. few-shot turns) were not sampled by the policy: mask 0.
+        """
+        if self._started:
+            raise ValueError("start() was already called on this ConversationEncoder; make a new one per rollout")
+        chunks = self._chunks(messages, True)
+        encoded = encode_chunks(self.tokenizer, chunks)
+        self.messages = list(messages)
+        self.token_ids = list(encoded.token_ids)
+        self.action_mask = [0] * len(encoded.token_ids)
+        self._rendered_text = "".join(chunk.text for chunk in chunks)
+        self._awaiting_assistant = True
+        self._started = True
+        return list(self.token_ids)
+
+    def _message_from_sampled(self, sampled_ids: Sequence[int]) -> Message:
+        ids = list(sampled_ids)
+        if ids and ids[-1] in set(self.tokenizer.all_special_ids):
+            ids = ids[:-1]  # the end-of-turn token is not part of the content
+        return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    def append_assistant(self, sampled_ids: Sequence[int], message: Message | None = None) -> None:
+        """Append the ids the policy sampled for this assistant turn (mask 1), exactly as sampled.
+
+        `message` (role assistant, with content and optionally tool_calls) is what later renderings of the
+        conversation show for this turn; by default the decoded sampled text. If the sampled ids do not end
+        with the template's end-of-turn token (cut off by a length limit or a stop string), that token is
+        added before the next messages, with mask 0.
+        """
+        if not self._awaiting_assistant:
+            raise ValueError(
+                "append_assistant() needs a generation prompt first: call start() or append_messages(..., "
+                "add_generation_prompt=True) before it"
+            )
+        if message is None:
+            message = self._message_from_sampled(sampled_ids)
+        if message.get("role") != "assistant":
+            raise ValueError(f"append_assistant() takes an assistant message, got role {message.get('role')!r}")
+        chunks = self._chunks(self.messages + [message], False)
+        through_text = "".join(chunk.text for chunk in chunks)
+        self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
+
+        # Locate this turn's generated text and the template text after it.
+        offset, generated_text, trailing_start = 0, "", None
+        for chunk in chunks:
+            chunk_end = offset + len(chunk.text)
+            if chunk_end > len(self._rendered_text) and chunk.generated:
+                generated_text += chunk.text[max(0, len(self._rendered_text) - offset):]
+                trailing_start = chunk_end
+            offset = chunk_end
+        trailing_text = through_text[trailing_start:] if trailing_start is not None else ""
+        end_of_turn_text = ""
+        generated_ids = _encode_text(self.tokenizer, generated_text)
+        if generated_ids and generated_ids[-1] in set(self.tokenizer.all_special_ids):
+            if not sampled_ids or sampled_ids[-1] != generated_ids[-1]:
+                end_of_turn_text = self.tokenizer.decode([generated_ids[-1]], skip_special_tokens=False)
+
+        self.token_ids.extend(int(token) for token in sampled_ids)
+        self.action_mask.extend([1] * len(sampled_ids))
+        self.messages.append(message)
+        self._rendered_text = through_text
+        self._pending_text = end_of_turn_text + trailing_text
+        self._awaiting_assistant = False
+
+    def append_messages(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        """Append non-assistant messages (tool results, user turns) and the next generation prompt.
+
+        Returns only the new ids (mask 0): template text left over from the last assistant turn, the
+        observation, and the generation prompt when `add_generation_prompt`.
+        """
+        if self._awaiting_assistant:
+            raise ValueError("the conversation ends with a generation prompt: append_assistant() must come next")
+        if not self._started:
+            raise ValueError("call start() before append_messages()")
+        for index, message in enumerate(messages):
+            if _role_of(message, index) == "assistant":
+                raise ValueError("append_messages() takes tool/user messages; append sampled turns with append_assistant()")
+        chunks = self._chunks(self.messages + list(messages), add_generation_prompt)
+        new_full_text = "".join(chunk.text for chunk in chunks)
+        self._check_extends(new_full_text, f"adding messages {len(self.messages)}..{len(self.messages) + len(messages) - 1}")
+        new_ids = _encode_text(self.tokenizer, self._pending_text + new_full_text[len(self._rendered_text):])
+        self.token_ids.extend(new_ids)
+        self.action_mask.extend([0] * len(new_ids))
+        self.messages.extend(messages)
+        self._rendered_text = new_full_text
+        self._pending_text = ""
+        self._awaiting_assistant = add_generation_prompt
+        return new_ids
+
+    def finish(self) -> Encoded:
+        """Close the conversation and return all ids and the action mask.
+
+        Template text still pending after the last assistant turn (Qwen's "\\n" after `<|im_end|>`, or the
+        end-of-turn token of a cut-off turn) is appended with mask 0, so the ids equal
+        `encode_conversation(tokenizer, enc.messages)` when every sampled turn matches its rendering.
+        """
+        if self._awaiting_assistant:
+            raise ValueError("the conversation ends with a generation prompt: append_assistant() must come before finish()")
+        tail_ids = _encode_text(self.tokenizer, self._pending_text)
+        self.token_ids.extend(tail_ids)
+        self.action_mask.extend([0] * len(tail_ids))
+        self._pending_text = ""
+        return self.encoded()
+
+    def encoded(self) -> Encoded:
+        """The ids and action mask of everything appended so far."""
+        return Encoded(token_ids=list(self.token_ids), action_mask=list(self.action_mask))
