@@ -1,0 +1,108 @@
+"""Train state (policy, optional critic, frozen reference) and the optax optimiser built from config."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentfly_jax.models import sharding as shd
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warmup + decay schedule."""
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    decay_steps: int = 0  # 0: constant after warmup
+    schedule: str = "cosine"  # "cosine" | "linear" | "constant"
+    end_lr_ratio: float = 0.0  # final lr = learning_rate * end_lr_ratio (cosine/linear)
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # <= 0 disables clipping
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "OptimizerConfig":
+        cfg = dict(cfg or {})
+        unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown optimizer settings {sorted(unknown)}; known: "
+                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
+        return cls(**cfg)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    warmup = optax.linear_schedule(0.0, cfg.learning_rate, max(cfg.warmup_steps, 1))
+    end = cfg.learning_rate * cfg.end_lr_ratio
+    if cfg.schedule == "constant" or cfg.decay_steps <= 0:
+        decay = optax.constant_schedule(cfg.learning_rate)
+    elif cfg.schedule == "cosine":
+        decay = optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps, alpha=cfg.end_lr_ratio)
+    elif cfg.schedule == "linear":
+        decay = optax.linear_schedule(cfg.learning_rate, end, cfg.decay_steps)
+    else:
+        raise ValueError(f"unknown lr schedule {cfg.schedule!r}; expected 'cosine', 'linear' or 'constant'")
+    if cfg.warmup_steps <= 0:
+        return decay
+    return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay)
+    if cfg.max_grad_norm and cfg.max_grad_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    return adamw
+
+
+class ModelState(flax.struct.PyTreeNode):
+    """Params + optimiser state of one trained model (policy or critic)."""
+
+    params: Any
+    opt_state: Any
+
+
+class TrainState(flax.struct.PyTreeNode):
+    step: jax.Array
+    policy: ModelState
+    critic: ModelState | None = None
+    ref_params: Any = None  # frozen reference policy for the KL term (None: no KL)
+
+
+def init_model_state(params, optimizer: optax.GradientTransformation) -> ModelState:
+    # jit so that optimiser moments are created with the params' shardings (GSPMD propagates them).
+    return ModelState(params=params, opt_state=jax.jit(optimizer.init)(params))
+
+
+def create_train_state(policy_params, policy_opt, *, critic_params=None, critic_opt=None,
+                       ref_params=None) -> TrainState:
+    critic = None if critic_params is None else init_model_state(critic_params, critic_opt)
+    return TrainState(step=jnp.zeros((), jnp.int32), policy=init_model_state(policy_params, policy_opt),
+                      critic=critic, ref_params=ref_params)
+
+
+def state_shardings(state: TrainState, mesh: Mesh, *, policy_model, policy_opt, critic_model=None,
+                    critic_opt=None, rules=shd.DEFAULT_RULES) -> TrainState:
+    """NamedSharding tree for a TrainState: params and their optimiser moments by logical axis names;
+    counters and other scalars replicated."""
+    replicated = NamedSharding(mesh, P())
+
+    def model_state(ms: ModelState, model, optimizer):
+        param_sh = shd.param_shardings(model, ms.params, mesh, rules)
+        opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, ms.opt_state, param_sh,
+                                       transform_non_params=lambda _: replicated)
+        return ModelState(params=param_sh, opt_state=opt_sh)
+
+    return TrainState(
+        step=replicated,
+        policy=model_state(state.policy, policy_model, policy_opt),
+        critic=None if state.critic is None else model_state(state.critic, critic_model, critic_opt),
+        ref_params=None if state.ref_params is None else shd.param_shardings(policy_model, state.ref_params,
+                                                                            mesh, rules))
