@@ -596,10 +596,9 @@ class ConversationEncoder:
 
         Template text still pending after the last assistant turn (Qwen's "\\n" after `<|im_end|>`, or the
         end-of-turn token of a cut-off turn) is appended with mask 0, so the ids equal
-        `encode_conversation(tokenizer, enc.messages)` when every sampled turn matches its rendering.
+        `encode_conversation(tokenizer, enc.messages, add_generation_prompt=...)` when every sampled turn
+        matches its rendering. A conversation that ends with a generation prompt has nothing pending.
         """
-        if self._awaiting_assistant:
-            raise ValueError("the conversation ends with a generation prompt: append_assistant() must come before finish()")
         tail_ids = _encode_text(self.tokenizer, self._pending_text)
         self.token_ids.extend(tail_ids)
         self.action_mask.extend([0] * len(tail_ids))

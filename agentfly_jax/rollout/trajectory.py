@@ -1,0 +1,169 @@
+"""The Trajectory: what one rollout chain hands to the trainer, and its conversion to batch arrays."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# Unpacked batches are padded to a multiple of this, so jit sees a handful of sequence lengths.
+SEQUENCE_BUCKET = 64
+
+
+@dataclasses.dataclass
+class ToolCallRecord:
+    """One tool call made during a rollout, for logging and metrics."""
+
+    turn: int
+    name: str
+    arguments: dict[str, Any]
+    observation: str = ""
+    error: str | None = None  # parse or execution error shown to the model instead of a result
+    latency_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One rollout chain: the exact tokens (prompt and every turn) with what the policy sampled marked.
+
+    `token_ids` are never re-tokenised from text: sampled turns are kept as the engine returned them.
+    `action_mask` is 1 on tokens the policy sampled, 0 on prompt, tool/environment and template tokens.
+    `sampler_logprobs` holds the engine's log-probability of each sampled token and 0.0 elsewhere.
+    `flags` names things that went wrong but did not stop the rollout (e.g. "reward_failed").
+    """
+
+    token_ids: list[int]
+    action_mask: list[int]
+    sampler_logprobs: list[float]
+    reward: float = 0.0
+    reward_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    group_id: int = 0
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_call_records: list[ToolCallRecord] = dataclasses.field(default_factory=list)
+    policy_version: int = 0
+    finish_reason: str = "stop"
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
+    flags: set[str] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self):
+        self.token_ids = [int(token) for token in self.token_ids]
+        self.action_mask = [int(bit) for bit in self.action_mask]
+        self.sampler_logprobs = [float(logprob) for logprob in self.sampler_logprobs]
+        self.flags = set(self.flags)
+        length = len(self.token_ids)
+        if length == 0:
+            raise ValueError("Trajectory.token_ids is empty: a trajectory holds at least its prompt tokens")
+        for name in ("action_mask", "sampler_logprobs"):
+            if len(getattr(self, name)) != length:
+                raise ValueError(
+                    f"Trajectory.{name} has {len(getattr(self, name))} entries but token_ids has {length}: "
+                    "both must have one entry per token"
+                )
+        if any(token < 0 for token in self.token_ids):
+            raise ValueError(f"Trajectory.token_ids has a negative id at position {_first(t < 0 for t in self.token_ids)}")
+        bad_bit = _first(bit not in (0, 1) for bit in self.action_mask)
+        if bad_bit is not None:
+            raise ValueError(f"Trajectory.action_mask must be 0 or 1, got {self.action_mask[bad_bit]} at position {bad_bit}")
+        bad_logprob = _first(not math.isfinite(logprob) for logprob in self.sampler_logprobs)
+        if bad_logprob is not None:
+            raise ValueError(
+                f"Trajectory.sampler_logprobs is not finite at position {bad_logprob}: "
+                f"{self.sampler_logprobs[bad_logprob]}"
+            )
+        unsampled = _first(
+            bit == 0 and logprob != 0.0 for bit, logprob in zip(self.action_mask, self.sampler_logprobs)
+        )
+        if unsampled is not None:
+            raise ValueError(
+                f"Trajectory.sampler_logprobs is {self.sampler_logprobs[unsampled]} at position {unsampled} where "
+                "action_mask is 0: only sampled tokens have a sampler logprob; put 0.0 elsewhere"
+            )
+        self.reward = float(self.reward)
+        if not math.isfinite(self.reward):
+            raise ValueError(f"Trajectory.reward must be finite, got {self.reward}; flag failed rewards instead")
+        for name in ("group_id", "num_turns", "tool_calls", "policy_version"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"Trajectory.{name} must be a non-negative int, got {value!r}")
+            setattr(self, name, int(value))
+        if self.tool_call_records and len(self.tool_call_records) != self.tool_calls:
+            raise ValueError(
+                f"Trajectory.tool_calls is {self.tool_calls} but tool_call_records has {len(self.tool_call_records)} "
+                "entries: they must agree"
+            )
+        if not isinstance(self.finish_reason, str) or not self.finish_reason:
+            raise ValueError(f"Trajectory.finish_reason must be a non-empty string, got {self.finish_reason!r}")
+
+    @property
+    def length(self) -> int:
+        """Number of tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_action_tokens(self) -> int:
+        """Number of tokens the policy sampled."""
+        return sum(self.action_mask)
+
+
+def _first(conditions) -> int | None:
+    """Index of the first true condition, or None."""
+    return next((index for index, condition in enumerate(conditions) if condition), None)
+
+
+def bucketed_length(length: int, bucket: int = SEQUENCE_BUCKET) -> int:
+    """`length` rounded up to a multiple of `bucket`."""
+    return max(bucket, -(-length // bucket) * bucket)
+
+
+def trajectories_to_batch(
+    trajectories: Sequence[Trajectory], *, pad_to: int | None = None, pad_id: int = 0
+) -> dict[str, np.ndarray]:
+    """Unpacked, right-padded batch arrays, one row per trajectory.
+
+    The row length T is `pad_to`, or the longest trajectory rounded up to a multiple of 64.
+    Returns `tokens`, `positions` (0..len-1, 0 on padding), `segment_ids` (1 on tokens, 0 on padding),
+    `action_mask`, `sampler_logprobs` [N, T]; `rewards`, `group_ids`, `lengths`, `policy_versions` [N].
+    """
+    if not trajectories:
+        raise ValueError("trajectories_to_batch() got no trajectories")
+    lengths = np.array([trajectory.length for trajectory in trajectories], dtype=np.int32)  # [N]
+    longest = int(np.argmax(lengths))
+    if pad_to is None:
+        row_length = bucketed_length(int(lengths[longest]))
+    else:
+        if pad_to <= 0:
+            raise ValueError(f"pad_to must be positive, got {pad_to}")
+        if lengths[longest] > pad_to:
+            raise ValueError(
+                f"trajectory {longest} (group {trajectories[longest].group_id}) has {lengths[longest]} tokens, "
+                f"more than pad_to={pad_to}: raise pad_to or limit the rollout length"
+            )
+        row_length = pad_to
+    count = len(trajectories)
+    tokens = np.full((count, row_length), pad_id, dtype=np.int32)  # [N, T]
+    positions = np.zeros((count, row_length), dtype=np.int32)  # [N, T]
+    segment_ids = np.zeros((count, row_length), dtype=np.int32)  # [N, T]
+    action_mask = np.zeros((count, row_length), dtype=np.float32)  # [N, T]
+    sampler_logprobs = np.zeros((count, row_length), dtype=np.float32)  # [N, T]
+    for row, trajectory in enumerate(trajectories):
+        length = trajectory.length
+        tokens[row, :length] = trajectory.token_ids
+        positions[row, :length] = np.arange(length, dtype=np.int32)
+        segment_ids[row, :length] = 1
+        action_mask[row, :length] = trajectory.action_mask
+        sampler_logprobs[row, :length] = trajectory.sampler_logprobs
+    return {
+        "tokens": tokens,
+        "positions": positions,
+        "segment_ids": segment_ids,
+        "action_mask": action_mask,
+        "sampler_logprobs": sampler_logprobs,
+        "rewards": np.array([trajectory.reward for trajectory in trajectories], dtype=np.float32),  # [N]
+        "group_ids": np.array([trajectory.group_id for trajectory in trajectories], dtype=np.int32),  # [N]
+        "lengths": lengths,  # [N]
+        "policy_versions": np.array([t.policy_version for t in trajectories], dtype=np.int32),  # [N]
+    }
