@@ -175,6 +175,11 @@ def parse_react(text: str) -> ParseResult:
             pending_action = None
             raw = text[action_start:value_end].rstrip()
             stripped = value.strip()
+            if not stripped.startswith("{"):
+                errors.append(
+                    ParseError(f"Action Input of {name!r} must be a JSON object like {{\"key\": value}}", raw)
+                )
+                continue
             try:
                 arguments, consumed = json.JSONDecoder().raw_decode(stripped)
             except (json.JSONDecodeError, RecursionError) as error:
@@ -182,10 +187,6 @@ def parse_react(text: str) -> ParseResult:
                 continue
             if stripped[consumed:].strip():
                 errors.append(ParseError(f"unexpected text after the Action Input JSON of {name!r}", raw))
-            elif not isinstance(arguments, dict):
-                errors.append(
-                    ParseError(f"Action Input of {name!r} must be a JSON object, got {type(arguments).__name__}", raw)
-                )
             else:
                 calls.append(ToolCall(name=name, arguments=arguments, raw=raw))
     if pending_action is not None:
