@@ -1,4 +1,5 @@
 """Rollout side: trajectories, chat templates with action masks, tool-call parsers."""
+
 from agentfly_jax.rollout.parsers import (
     ParseError,
     ParseResult,

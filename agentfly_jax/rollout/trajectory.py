@@ -1,4 +1,5 @@
 """The Trajectory: what one rollout chain hands to the trainer, and its conversion to batch arrays."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,10 +65,15 @@ class Trajectory:
                     "both must have one entry per token"
                 )
         if any(token < 0 for token in self.token_ids):
-            raise ValueError(f"Trajectory.token_ids has a negative id at position {_first(t < 0 for t in self.token_ids)}")
+            raise ValueError(
+                f"Trajectory.token_ids has a negative id at position {_first(t < 0 for t in self.token_ids)}"
+            )
         bad_bit = _first(bit not in (0, 1) for bit in self.action_mask)
         if bad_bit is not None:
-            raise ValueError(f"Trajectory.action_mask must be 0 or 1, got {self.action_mask[bad_bit]} at position {bad_bit}")
+            raise ValueError(
+                f"Trajectory.action_mask must be 0 or 1, "
+                f"got {self.action_mask[bad_bit]} at position {bad_bit}"
+            )
         bad_logprob = _first(not math.isfinite(logprob) for logprob in self.sampler_logprobs)
         if bad_logprob is not None:
             raise ValueError(
@@ -79,12 +85,14 @@ class Trajectory:
         )
         if unsampled is not None:
             raise ValueError(
-                f"Trajectory.sampler_logprobs is {self.sampler_logprobs[unsampled]} at position {unsampled} where "
-                "action_mask is 0: only sampled tokens have a sampler logprob; put 0.0 elsewhere"
+                f"Trajectory.sampler_logprobs is {self.sampler_logprobs[unsampled]} at position {unsampled} "
+                "where action_mask is 0: only sampled tokens have a sampler logprob; put 0.0 elsewhere"
             )
         self.reward = float(self.reward)
         if not math.isfinite(self.reward):
-            raise ValueError(f"Trajectory.reward must be finite, got {self.reward}; flag failed rewards instead")
+            raise ValueError(
+                f"Trajectory.reward must be finite, got {self.reward}; flag failed rewards instead"
+            )
         for name in ("group_id", "num_turns", "tool_calls", "policy_version"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
@@ -92,11 +100,13 @@ class Trajectory:
             setattr(self, name, int(value))
         if self.tool_call_records and len(self.tool_call_records) != self.tool_calls:
             raise ValueError(
-                f"Trajectory.tool_calls is {self.tool_calls} but tool_call_records has {len(self.tool_call_records)} "
-                "entries: they must agree"
+                f"Trajectory.tool_calls is {self.tool_calls} but tool_call_records has "
+                f"{len(self.tool_call_records)} entries: they must agree"
             )
         if not isinstance(self.finish_reason, str) or not self.finish_reason:
-            raise ValueError(f"Trajectory.finish_reason must be a non-empty string, got {self.finish_reason!r}")
+            raise ValueError(
+                f"Trajectory.finish_reason must be a non-empty string, got {self.finish_reason!r}"
+            )
 
     @property
     def length(self) -> int:
@@ -139,8 +149,8 @@ def trajectories_to_batch(
             raise ValueError(f"pad_to must be positive, got {pad_to}")
         if lengths[longest] > pad_to:
             raise ValueError(
-                f"trajectory {longest} (group {trajectories[longest].group_id}) has {lengths[longest]} tokens, "
-                f"more than pad_to={pad_to}: raise pad_to or limit the rollout length"
+                f"trajectory {longest} (group {trajectories[longest].group_id}) has {lengths[longest]} "
+                f"tokens, more than pad_to={pad_to}: raise pad_to or limit the rollout length"
             )
         row_length = pad_to
     count = len(trajectories)

@@ -7,6 +7,7 @@
   <|end_header_id|>, <|eot_id|>, <|eom_id|>, <|python_tag|>, ...) as added special tokens and its BOS
   post-processor, with the reference Llama 3 Instruct chat template.
 """
+
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,13 @@ def read_template(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer(tmp_path_factory):
-    return build_qwen2_5_tokenizer(tmp_path_factory.mktemp("qwen2_5_tokenizer"), read_template("qwen2_5.jinja"))
+    return build_qwen2_5_tokenizer(
+        tmp_path_factory.mktemp("qwen2_5_tokenizer"), read_template("qwen2_5.jinja")
+    )
 
 
 @pytest.fixture(scope="session")
 def llama3_tokenizer(tmp_path_factory):
-    return build_llama3_style_tokenizer(tmp_path_factory.mktemp("llama3_tokenizer"), read_template("llama3.jinja"))
+    return build_llama3_style_tokenizer(
+        tmp_path_factory.mktemp("llama3_tokenizer"), read_template("llama3.jinja")
+    )

@@ -46,7 +46,10 @@ CONVERSATIONS = {
     ],
     "multi_turn_without_system": [
         {"role": "user", "content": "Write a haiku about rain."},
-        {"role": "assistant", "content": "Soft rain on the roof\nthe gutters hum a low tune\nnight drinks the puddles"},
+        {
+            "role": "assistant",
+            "content": "Soft rain on the roof\nthe gutters hum a low tune\nnight drinks the puddles",
+        },
         {"role": "user", "content": "Now shorter."},
         {"role": "assistant", "content": "Rain. Roof. Sleep."},
         {"role": "user", "content": "Thanks!"},
@@ -70,7 +73,11 @@ CONVERSATIONS = {
         {"role": "user", "content": "Compute (2+3)*4 then square it."},
         {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "(2+3)*4"})]},
         {"role": "tool", "content": "20"},
-        {"role": "assistant", "content": None, "tool_calls": [{"name": "calculator", "arguments": {"expression": "20**2"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"name": "calculator", "arguments": {"expression": "20**2"}}],
+        },
         {"role": "tool", "content": "400"},
         {"role": "tool", "content": "(second result, same call id)"},
     ],
@@ -82,7 +89,10 @@ CONVERSATIONS = {
         {"role": "assistant", "content": "ok"},
     ],
     "unicode": [
-        {"role": "user", "content": "Traduis « café crème » en 中文, and add an emoji 🙂. Also: e\u0301 vs é, مرحبا"},
+        {
+            "role": "user",
+            "content": "Traduis « café crème » en 中文, and add an emoji 🙂. Also: e\u0301 vs é, مرحبا",
+        },
         {"role": "assistant", "content": "« café crème » → 奶油咖啡 ☕️🙂 — e\u0301/é; مرحبا بك"},
         {"role": "user", "content": "Search for Ελληνικά."},
         {
@@ -97,7 +107,10 @@ CONVERSATIONS = {
         {"role": "user", "content": "  Show a python loop summing 1..1000000.  "},
         {
             "role": "assistant",
-            "content": "Here:\n```python\ntotal = 0\nfor i in range(1, 1000001):\n    total += i\nprint(total)\n```\n",
+            "content": (
+                "Here:\n```python\ntotal = 0\nfor i in range(1, 1000001):\n"
+                "    total += i\nprint(total)\n```\n"
+            ),
         },
         {"role": "user", "content": "Run it."},
         {"role": "assistant", "content": "It prints 500000500000.   \n\n"},
@@ -115,9 +128,4 @@ CONVERSATIONS = {
         },
         {"role": "tool", "content": "2"},
     ],
-}
-
-# Each assistant turn in the corpus, by conversation: how many there are.
-ASSISTANT_TURNS = {
-    name: sum(message["role"] == "assistant" for message in messages) for name, messages in CONVERSATIONS.items()
 }

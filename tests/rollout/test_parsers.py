@@ -1,4 +1,5 @@
 """Tool-call parsers on well-formed and malformed model outputs."""
+
 import random
 
 import pytest
@@ -31,7 +32,10 @@ def test_hermes_several_calls_in_one_turn():
         ("calculator", {"expression": "12*7"}),
         ("search", {"query": "Ελληνικά", "top_k": 2}),
     ]
-    assert result.tool_calls[0].raw == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+    assert (
+        result.tool_calls[0].raw
+        == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+    )
     assert result.text == "I will compute and search."
 
 
@@ -42,7 +46,9 @@ def test_hermes_plain_answer_has_no_calls():
 
 def test_hermes_compact_json_and_text_after_calls():
     result = parse_hermes_tool_calls('<tool_call>{"name":"f","arguments":{}}</tool_call> then more text')
-    assert result.ok and result.tool_calls == [ToolCall("f", {}, '<tool_call>{"name":"f","arguments":{}}</tool_call>')]
+    assert result.ok and result.tool_calls == [
+        ToolCall("f", {}, '<tool_call>{"name":"f","arguments":{}}</tool_call>')
+    ]
     assert result.text == "then more text"
 
 
@@ -53,13 +59,16 @@ def test_hermes_compact_json_and_text_after_calls():
         ('<tool_call>{"arguments": {"x": 1}}</tool_call>', "has no name"),
         ('<tool_call>{"name": "", "arguments": {}}</tool_call>', "has no name"),
         ('<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>', "must be a JSON object, got list"),
-        ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "must be a JSON object, got str"),
+        (
+            '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
+            "must be a JSON object, got str",
+        ),
         ('<tool_call>{"name": "f"}</tool_call>', "has no arguments"),
         ('<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>', "unknown field(s) 'id'"),
         ('<tool_call>["f", {}]</tool_call>', "must be a JSON object with name and arguments, got list"),
         ('<tool_call>{"name": "f", "arguments": {"x": 1', "is not closed"),
         ('<tool_call>\n{"name": "f", "arguments": {}}\n', "is not closed"),
-        ('text </tool_call>', "without a matching <tool_call>"),
+        ("text </tool_call>", "without a matching <tool_call>"),
         ("<tool_call></tool_call>", "not valid JSON"),
     ],
 )
@@ -101,7 +110,9 @@ def test_react_action_with_json_input():
     result = parse_react(output)
     assert result.ok
     assert result.tool_calls == [
-        ToolCall("calculator", {"expression": "1+2"}, 'Action: calculator\nAction Input: {"expression": "1+2"}')
+        ToolCall(
+            "calculator", {"expression": "1+2"}, 'Action: calculator\nAction Input: {"expression": "1+2"}'
+        )
     ]
     assert result.text == "I need to add."
     assert result.final_answer is None
@@ -109,19 +120,26 @@ def test_react_action_with_json_input():
 
 def test_react_multiline_json_input_and_hallucinated_observation_is_ignored():
     output = (
-        "Thought: search it\nAction: search\nAction Input: {\n  \"query\": \"Dune\",\n  \"top_k\": 2\n}\n"
+        'Thought: search it\nAction: search\nAction Input: {\n  "query": "Dune",\n  "top_k": 2\n}\n'
         "Observation: Frank Herbert wrote it.\nThought: done\nFinal Answer: Frank Herbert"
     )
     result = parse_react(output)
     assert result.ok
-    assert [(call.name, call.arguments) for call in result.tool_calls] == [("search", {"query": "Dune", "top_k": 2})]
+    assert [(call.name, call.arguments) for call in result.tool_calls] == [
+        ("search", {"query": "Dune", "top_k": 2})
+    ]
     assert result.final_answer is None
     assert result.text == "search it"
 
 
 def test_react_final_answer():
     result = parse_react("Thought: I know this.\nFinal Answer: Paris")
-    assert result.ok and result.tool_calls == [] and result.final_answer == "Paris" and result.text == "I know this."
+    assert (
+        result.ok
+        and result.tool_calls == []
+        and result.final_answer == "Paris"
+        and result.text == "I know this."
+    )
 
 
 @pytest.mark.parametrize(
@@ -130,7 +148,10 @@ def test_react_final_answer():
         ('Action: calculator\nAction Input: {"expression": "1+2"', "not valid JSON"),
         ("Action: calculator\nAction Input: 1+2", "must be a JSON object"),
         ('Action: calculator\nAction Input: ["1+2"]', "must be a JSON object"),
-        ('Action: calculator\nAction Input: {"e": 1} and more', "unexpected text after the Action Input JSON"),
+        (
+            'Action: calculator\nAction Input: {"e": 1} and more',
+            "unexpected text after the Action Input JSON",
+        ),
         ("Thought: hmm\nAction: calculator", "has no Action Input"),
         ("Action: calculator\nThought: wait", "has no Action Input"),
         ('Action Input: {"e": 1}', "Action Input without an Action"),
@@ -166,7 +187,10 @@ def test_python_block_becomes_a_code_interpreter_call():
 def test_python_blocks_keep_indentation_and_other_languages_stay_text():
     output = "```bash\nls -la\n```\n```py\nfor i in range(2):\n    print(i)\n```\n```python3\nx = 1\n```"
     result = parse_python_code_blocks(output)
-    assert [call.arguments["code"] for call in result.tool_calls] == ["for i in range(2):\n    print(i)", "x = 1"]
+    assert [call.arguments["code"] for call in result.tool_calls] == [
+        "for i in range(2):\n    print(i)",
+        "x = 1",
+    ]
     assert result.text == "```bash\nls -la\n```"
 
 
@@ -193,10 +217,13 @@ def test_parse_tool_calls_dispatches_by_format():
 
 @pytest.mark.parametrize("parser", [parse_hermes_tool_calls, parse_react, parse_python_code_blocks])
 def test_parsers_never_raise_on_truncated_or_mutated_output(parser):
-    """Every prefix of valid outputs (truncation) and random character edits give a result, not an exception."""
+    """Every prefix of a valid output (truncation) and random character edits give a result, never raise."""
     samples = [
         TWO_CALLS,
-        'Thought: x\nAction: calculator\nAction Input: {"expression": "1+[2]", "n": {"a": [1, 2]}}\nObservation: 3',
+        (
+            'Thought: x\nAction: calculator\nAction Input: {"expression": "1+[2]", "n": {"a": [1, 2]}}\n'
+            "Observation: 3"
+        ),
         "text\n```python\nprint('```')\n```\nmore ```python\n",
     ]
     generator = random.Random(0)

@@ -5,6 +5,7 @@ Qwen2.5-Instruct and Llama 3 Instruct templates (tests/rollout/data). The Qwen2.
 one rebuilt offline; the Llama 3 tokenizer is a stand-in with Llama 3's special tokens on the Qwen BPE
 (see conftest.py).
 """
+
 import unicodedata
 
 import pytest
@@ -14,18 +15,17 @@ from agentfly_jax.rollout.templates import (
     TemplateNotAppendOnlyError,
     encode_conversation,
 )
-from tests.rollout.conftest import read_template
 from tests.rollout.conversations import CONVERSATIONS, TOOLS
 
 FAMILIES = {
-    # family: (tokenizer fixture, named template, reference Jinja file, end-of-turn token)
-    "qwen2.5": ("qwen_tokenizer", "qwen2.5", "qwen2_5.jinja", "<|im_end|>"),
-    "llama3": ("llama3_tokenizer", "llama3", "llama3.jinja", "<|eot_id|>"),
+    # family: (tokenizer fixture holding the reference Jinja template, named template, end-of-turn token)
+    "qwen2.5": ("qwen_tokenizer", "qwen2.5", "<|im_end|>"),
+    "llama3": ("llama3_tokenizer", "llama3", "<|eot_id|>"),
 }
 
 
 def hf_token_ids(tokenizer, messages, tools, add_generation_prompt):
-    """Token ids from Hugging Face's Jinja rendering + tokenisation (transformers 5 returns a BatchEncoding)."""
+    """Token ids from Hugging Face's Jinja rendering + tokenisation (transformers 5 gives a BatchEncoding)."""
     out = tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
     )
@@ -33,15 +33,17 @@ def hf_token_ids(tokenizer, messages, tools, add_generation_prompt):
 
 
 def hf_generated_turns(tokenizer, messages, tools, end_of_turn):
-    """Each assistant turn as the model writes it: HF's text after the generation prompt, up to end_of_turn."""
+    """Each assistant turn as the model writes it: HF's text after the generation prompt, to end_of_turn."""
     turns = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:index], tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            messages[:index], tools=tools, add_generation_prompt=True, tokenize=False
+        )
         through = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
         assert through.startswith(prompt)
-        turn = through[len(prompt):]
+        turn = through[len(prompt) :]
         turns.append(turn[: turn.rindex(end_of_turn) + len(end_of_turn)])
     return turns
 
@@ -61,7 +63,9 @@ def masked_runs(encoded):
 
 
 CASES = [
-    pytest.param(family, conversation, tools, generation_prompt, id=f"{family}-{conversation}-{tools_id}-{gp_id}")
+    pytest.param(
+        family, conversation, tools, generation_prompt, id=f"{family}-{conversation}-{tools_id}-{gp_id}"
+    )
     for family in FAMILIES
     for conversation in CONVERSATIONS
     for tools, tools_id in ((None, "no_tools"), (TOOLS, "tools"))
@@ -73,14 +77,16 @@ CASES = [
 def test_named_and_generic_templates_equal_hf_apply_chat_template(
     request, family, conversation, tools, add_generation_prompt
 ):
-    fixture, name, _, _ = FAMILIES[family]
+    fixture, name, _ = FAMILIES[family]
     tokenizer = request.getfixturevalue(fixture)
     messages = CONVERSATIONS[conversation]
     expected = hf_token_ids(tokenizer, messages, tools, add_generation_prompt)
     named = encode_conversation(
         tokenizer, messages, tools=tools, chat_template=name, add_generation_prompt=add_generation_prompt
     )
-    generic = encode_conversation(tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+    generic = encode_conversation(
+        tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt
+    )
     assert named.token_ids == expected
     assert generic.token_ids == expected
     assert named.action_mask == generic.action_mask
@@ -91,13 +97,14 @@ def test_named_and_generic_templates_equal_hf_apply_chat_template(
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("with_tools", [False, True], ids=["no_tools", "tools"])
 def test_masked_runs_decode_to_each_assistant_turn(request, family, conversation, with_tools):
-    fixture, name, _, end_of_turn = FAMILIES[family]
+    fixture, name, end_of_turn = FAMILIES[family]
     tokenizer = request.getfixturevalue(fixture)
     messages = CONVERSATIONS[conversation]
     tools = TOOLS if with_tools else None
     # Both tokenizers NFC-normalise (as Qwen2.5's does), so a model can only write the NFC form.
     expected_turns = [
-        unicodedata.normalize("NFC", turn) for turn in hf_generated_turns(tokenizer, messages, tools, end_of_turn)
+        unicodedata.normalize("NFC", turn)
+        for turn in hf_generated_turns(tokenizer, messages, tools, end_of_turn)
     ]
     for chat_template in (name, None):
         encoded = encode_conversation(tokenizer, messages, tools=tools, chat_template=chat_template)
@@ -111,10 +118,12 @@ def test_qwen_mask_boundaries_written_out(qwen_tokenizer):
     encoded = encode_conversation(qwen_tokenizer, messages, chat_template="qwen2.5")
     runs = [qwen_tokenizer.decode(run) for run in masked_runs(encoded)]
     assert runs == [
-        "I will compute and search in parallel.\n"
-        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "search", "arguments": {"query": "Dune novel author", "top_k": 2}}\n</tool_call>'
-        "<|im_end|>"
+        (
+            "I will compute and search in parallel.\n"
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "search", "arguments": {"query": "Dune novel author", "top_k": 2}}\n'
+            "</tool_call><|im_end|>"
+        )
     ]
     first = encoded.action_mask.index(1)
     last = len(encoded.action_mask) - 1 - encoded.action_mask[::-1].index(1)
@@ -131,14 +140,18 @@ def test_qwen_mask_boundaries_written_out(qwen_tokenizer):
 
 def test_llama3_mask_boundaries_written_out(llama3_tokenizer):
     messages = CONVERSATIONS["whitespace_and_code"][2:]
-    encoded = encode_conversation(llama3_tokenizer, messages, chat_template="llama3", add_generation_prompt=True)
+    encoded = encode_conversation(
+        llama3_tokenizer, messages, chat_template="llama3", add_generation_prompt=True
+    )
     text = llama3_tokenizer.decode(encoded.token_ids)
     assert text == (
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nRun it.<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\nIt prints 500000500000.<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
-    assert [llama3_tokenizer.decode(run) for run in masked_runs(encoded)] == ["It prints 500000500000.<|eot_id|>"]
+    assert [llama3_tokenizer.decode(run) for run in masked_runs(encoded)] == [
+        "It prints 500000500000.<|eot_id|>"
+    ]
     # BOS comes from the template only once, even though this tokenizer's post-processor would add one.
     assert encoded.token_ids.count(llama3_tokenizer.bos_token_id) == 1
 
@@ -154,7 +167,7 @@ def _rollout_incrementally(tokenizer, messages, tools, chat_template, end_of_tur
     while index < len(messages):
         sampled_ids = tokenizer.encode(sampled_turns[turn], add_special_tokens=False)
         encoder.append_assistant(sampled_ids, messages[index])
-        assert encoder.token_ids[-len(sampled_ids):] == sampled_ids
+        assert encoder.token_ids[-len(sampled_ids) :] == sampled_ids
         turn += 1
         index += 1
         following = []
@@ -164,7 +177,9 @@ def _rollout_incrementally(tokenizer, messages, tools, chat_template, end_of_tur
         if following:
             more_turns = index < len(messages)
             before = len(encoder.token_ids)
-            new_ids = encoder.append_messages(following, add_generation_prompt=more_turns or add_generation_prompt)
+            new_ids = encoder.append_messages(
+                following, add_generation_prompt=more_turns or add_generation_prompt
+            )
             assert encoder.token_ids[before:] == new_ids
     return encoder
 
@@ -174,16 +189,22 @@ def _rollout_incrementally(tokenizer, messages, tools, chat_template, end_of_tur
 @pytest.mark.parametrize("with_tools", [False, True], ids=["no_tools", "tools"])
 @pytest.mark.parametrize("named", [True, False], ids=["named", "jinja"])
 def test_incremental_rollout_equals_one_shot(request, family, conversation, with_tools, named):
-    fixture, name, _, end_of_turn = FAMILIES[family]
+    fixture, name, end_of_turn = FAMILIES[family]
     tokenizer = request.getfixturevalue(fixture)
     messages = CONVERSATIONS[conversation]
     tools = TOOLS if with_tools else None
     chat_template = name if named else None
     ends_with_observation = messages[-1]["role"] != "assistant"
-    encoder = _rollout_incrementally(tokenizer, messages, tools, chat_template, end_of_turn, ends_with_observation)
+    encoder = _rollout_incrementally(
+        tokenizer, messages, tools, chat_template, end_of_turn, ends_with_observation
+    )
     incremental = encoder.finish()
     one_shot = encode_conversation(
-        tokenizer, messages, tools=tools, chat_template=chat_template, add_generation_prompt=ends_with_observation
+        tokenizer,
+        messages,
+        tools=tools,
+        chat_template=chat_template,
+        add_generation_prompt=ends_with_observation,
     )
     assert incremental.token_ids == one_shot.token_ids
     assert incremental.action_mask == one_shot.action_mask
@@ -194,8 +215,9 @@ def test_incremental_keeps_sampled_ids_that_differ_from_the_rendering(qwen_token
     """A model may write a tool call with other spacing than the template; its ids stay as sampled."""
     messages = CONVERSATIONS["several_tool_calls_then_consecutive_results"]
     sampled_text = (
-        'I will compute and search in parallel.\n<tool_call>\n{"name":"calculator","arguments":{"expression":"12*7"}}'
-        '\n</tool_call>\n<tool_call>\n{"name":"search","arguments":{"query":"Dune novel author","top_k":2}}\n</tool_call>'
+        "I will compute and search in parallel.\n"
+        '<tool_call>\n{"name":"calculator","arguments":{"expression":"12*7"}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"search","arguments":{"query":"Dune novel author","top_k":2}}\n</tool_call>'
         "<|im_end|>"
     )
     sampled_ids = qwen_tokenizer.encode(sampled_text, add_special_tokens=False)
@@ -204,10 +226,14 @@ def test_incremental_keeps_sampled_ids_that_differ_from_the_rendering(qwen_token
         prompt_ids = encoder.start(messages[:2])
         encoder.append_assistant(sampled_ids, messages[2])
         observation_ids = encoder.append_messages(messages[3:5])
-        one_shot = encode_conversation(qwen_tokenizer, messages[:5], chat_template=chat_template, add_generation_prompt=True)
+        one_shot = encode_conversation(
+            qwen_tokenizer, messages[:5], chat_template=chat_template, add_generation_prompt=True
+        )
         rendered_turn_length = one_shot.action_mask.count(1)
         assert encoder.token_ids == prompt_ids + sampled_ids + observation_ids
-        assert encoder.action_mask == [0] * len(prompt_ids) + [1] * len(sampled_ids) + [0] * len(observation_ids)
+        assert encoder.action_mask == [0] * len(prompt_ids) + [1] * len(sampled_ids) + [0] * len(
+            observation_ids
+        )
         assert observation_ids == one_shot.token_ids[len(prompt_ids) + rendered_turn_length :]
         assert sampled_ids != one_shot.token_ids[len(prompt_ids) : len(prompt_ids) + rendered_turn_length]
 
@@ -215,7 +241,7 @@ def test_incremental_keeps_sampled_ids_that_differ_from_the_rendering(qwen_token
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("named", [True, False], ids=["named", "jinja"])
 def test_turn_cut_off_before_end_of_turn_gets_it_from_the_template(request, family, named):
-    fixture, name, _, end_of_turn = FAMILIES[family]
+    fixture, name, end_of_turn = FAMILIES[family]
     tokenizer = request.getfixturevalue(fixture)
     encoder = ConversationEncoder(tokenizer, chat_template=name if named else None)
     encoder.start([{"role": "user", "content": "Count to ten."}])
@@ -224,7 +250,7 @@ def test_turn_cut_off_before_end_of_turn_gets_it_from_the_template(request, fami
     new_ids = encoder.append_messages([{"role": "user", "content": "Go on."}])
     end_of_turn_id = tokenizer.convert_tokens_to_ids(end_of_turn)
     assert new_ids[0] == end_of_turn_id
-    assert encoder.action_mask[-len(new_ids):] == [0] * len(new_ids)
+    assert encoder.action_mask[-len(new_ids) :] == [0] * len(new_ids)
     full = [
         {"role": "user", "content": "Count to ten."},
         {"role": "assistant", "content": "1 2 3 4 5"},
@@ -248,41 +274,65 @@ def test_qwen_content_starting_with_a_line_break_is_tokenised_as_sampled(qwen_to
     """
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\nHi"}]
     encoded = encode_conversation(qwen_tokenizer, messages, chat_template="qwen2.5")
-    prompt = encode_conversation(qwen_tokenizer, messages[:1], chat_template="qwen2.5", add_generation_prompt=True)
+    prompt = encode_conversation(
+        qwen_tokenizer, messages[:1], chat_template="qwen2.5", add_generation_prompt=True
+    )
     sampled = qwen_tokenizer.encode("\nHi<|im_end|>", add_special_tokens=False)
     assert encoded.token_ids[: len(prompt.token_ids) + len(sampled)] == prompt.token_ids + sampled
     assert encoded.token_ids != hf_token_ids(qwen_tokenizer, messages, None, False)
-    assert qwen_tokenizer.decode(encoded.token_ids) == qwen_tokenizer.decode(hf_token_ids(qwen_tokenizer, messages, None, False))
+    assert qwen_tokenizer.decode(encoded.token_ids) == qwen_tokenizer.decode(
+        hf_token_ids(qwen_tokenizer, messages, None, False)
+    )
 
 
 def test_image_parts_become_qwen_vl_placeholders_with_mask_zero(qwen_tokenizer):
     with_image = [
-        {"role": "user", "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is this?"}],
+        },
         {"role": "assistant", "content": "A cat."},
-        {"role": "user", "content": [{"type": "text", "text": "And these?"}, {"type": "image"}, {"type": "video"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "And these?"}, {"type": "image"}, {"type": "video"}],
+        },
     ]
     as_text = [
         {"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is this?"},
         {"role": "assistant", "content": "A cat."},
         {
             "role": "user",
-            "content": "And these?<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>",
+            "content": "And these?<|vision_start|><|image_pad|><|vision_end|>"
+            "<|vision_start|><|video_pad|><|vision_end|>",
         },
     ]
-    encoded = encode_conversation(qwen_tokenizer, with_image, chat_template="qwen2.5", add_generation_prompt=True)
+    encoded = encode_conversation(
+        qwen_tokenizer, with_image, chat_template="qwen2.5", add_generation_prompt=True
+    )
     assert encoded.token_ids == hf_token_ids(qwen_tokenizer, as_text, None, True)
     image_pad, video_pad, vision_start = qwen_tokenizer.convert_tokens_to_ids(
         ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>"]
     )
     assert (image_pad, video_pad, vision_start) == (151655, 151656, 151652)
-    positions = [i for i, token in enumerate(encoded.token_ids) if token in (image_pad, video_pad, vision_start)]
-    assert [encoded.token_ids[i] for i in positions] == [vision_start, image_pad, vision_start, image_pad, vision_start, video_pad]
+    positions = [
+        i for i, token in enumerate(encoded.token_ids) if token in (image_pad, video_pad, vision_start)
+    ]
+    assert [encoded.token_ids[i] for i in positions] == [
+        vision_start,
+        image_pad,
+        vision_start,
+        image_pad,
+        vision_start,
+        video_pad,
+    ]
     assert all(encoded.action_mask[i] == 0 for i in positions)
     assert [qwen_tokenizer.decode(run) for run in masked_runs(encoded)] == ["A cat.<|im_end|>"]
 
     encoder = ConversationEncoder(qwen_tokenizer, chat_template="qwen2.5")
     encoder.start(with_image[:1])
-    encoder.append_assistant(qwen_tokenizer.encode("A cat.<|im_end|>", add_special_tokens=False), with_image[1])
+    encoder.append_assistant(
+        qwen_tokenizer.encode("A cat.<|im_end|>", add_special_tokens=False), with_image[1]
+    )
     encoder.append_messages(with_image[2:])
     assert encoder.encoded() == encoded
 
@@ -298,7 +348,10 @@ def test_tools_given_as_python_functions_match_hf(qwen_tokenizer):
 
     messages = CONVERSATIONS["plain_single_turn"]
     expected = hf_token_ids(qwen_tokenizer, messages, [calculator], False)
-    assert encode_conversation(qwen_tokenizer, messages, tools=[calculator], chat_template="qwen2.5").token_ids == expected
+    assert (
+        encode_conversation(qwen_tokenizer, messages, tools=[calculator], chat_template="qwen2.5").token_ids
+        == expected
+    )
 
 
 # A minimal ChatML template without a default system prompt.
@@ -311,7 +364,9 @@ PLAIN_CHATML_TEMPLATE = (
 def test_explicit_jinja_text_is_used_instead_of_the_tokenizers_own(qwen_tokenizer):
     messages = CONVERSATIONS["multi_turn_without_system"]
     encoded = encode_conversation(qwen_tokenizer, messages, chat_template=PLAIN_CHATML_TEMPLATE)
-    expected = qwen_tokenizer.apply_chat_template(messages, chat_template=PLAIN_CHATML_TEMPLATE, tokenize=True)
+    expected = qwen_tokenizer.apply_chat_template(
+        messages, chat_template=PLAIN_CHATML_TEMPLATE, tokenize=True
+    )
     assert encoded.token_ids == list(expected["input_ids"])
     assert qwen_tokenizer.decode(encoded.token_ids).startswith("<|im_start|>user\nWrite a haiku")
     assert [qwen_tokenizer.decode(run) for run in masked_runs(encoded)] == [
@@ -341,7 +396,9 @@ def test_non_append_only_template_is_rejected_naming_the_first_differing_token(q
 
     with pytest.raises(TemplateNotAppendOnlyError, match="token 3"):
         encode_conversation(
-            qwen_tokenizer, prompt + [{"role": "assistant", "content": "Hello"}], chat_template=COUNTING_TEMPLATE
+            qwen_tokenizer,
+            prompt + [{"role": "assistant", "content": "Hello"}],
+            chat_template=COUNTING_TEMPLATE,
         )
 
 
@@ -356,11 +413,16 @@ def test_errors_name_what_is_wrong(qwen_tokenizer, llama3_tokenizer):
     with pytest.raises(ValueError, match="needs a string 'name'"):
         encode_conversation(
             qwen_tokenizer,
-            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]}],
+            [
+                {"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [{"arguments": {}}]},
+            ],
             chat_template="qwen2.5",
         )
     with pytest.raises(ValueError, match="no placeholder for image"):
-        encode_conversation(llama3_tokenizer, [{"role": "user", "content": [{"type": "image"}]}], chat_template="llama3")
+        encode_conversation(
+            llama3_tokenizer, [{"role": "user", "content": [{"type": "image"}]}], chat_template="llama3"
+        )
     with pytest.raises(ValueError, match="bos_token, but the tokenizer has none"):
         encode_conversation(qwen_tokenizer, messages, chat_template="llama3")
 
@@ -384,6 +446,8 @@ def test_tokenizer_without_chat_template_needs_one(qwen_tokenizer):
         with pytest.raises(ValueError, match="tokenizer has no chat_template"):
             encode_conversation(qwen_tokenizer, CONVERSATIONS["plain_single_turn"])
         # A named template needs no Jinja at all.
-        assert encode_conversation(qwen_tokenizer, CONVERSATIONS["plain_single_turn"], chat_template="qwen2.5").token_ids
+        assert encode_conversation(
+            qwen_tokenizer, CONVERSATIONS["plain_single_turn"], chat_template="qwen2.5"
+        ).token_ids
     finally:
         qwen_tokenizer.chat_template = template

@@ -1,4 +1,5 @@
 """Trajectory validation and its conversion to unpacked batch arrays."""
+
 import math
 
 import numpy as np
@@ -19,8 +20,16 @@ def make_trajectory(length=5, sampled=(2, 3), **fields):
 def test_valid_trajectory_keeps_its_fields():
     record = ToolCallRecord(turn=1, name="calculator", arguments={"expression": "1+1"}, observation="2")
     trajectory = make_trajectory(
-        reward=1.5, reward_extras={"em": 1.0}, group_id=3, num_turns=2, tool_calls=1, tool_call_records=[record],
-        policy_version=7, finish_reason="length", metrics={"env_steps": 2}, flags={"reward_failed"},
+        reward=1.5,
+        reward_extras={"em": 1.0},
+        group_id=3,
+        num_turns=2,
+        tool_calls=1,
+        tool_call_records=[record],
+        policy_version=7,
+        finish_reason="length",
+        metrics={"env_steps": 2},
+        flags={"reward_failed"},
         messages=[{"role": "user", "content": "hi"}],
     )
     assert trajectory.length == 5
@@ -44,7 +53,10 @@ def test_valid_trajectory_keeps_its_fields():
         (dict(group_id=-1), "group_id must be a non-negative int"),
         (dict(num_turns=1.5), "num_turns must be a non-negative int"),
         (dict(policy_version=True), "policy_version must be a non-negative int"),
-        (dict(tool_calls=2, tool_call_records=[ToolCallRecord(0, "a", {})]), "tool_calls is 2 but tool_call_records has 1"),
+        (
+            dict(tool_calls=2, tool_call_records=[ToolCallRecord(0, "a", {})]),
+            "tool_calls is 2 but tool_call_records has 1",
+        ),
         (dict(finish_reason=""), "finish_reason must be a non-empty string"),
     ],
 )
@@ -59,8 +71,14 @@ def test_batch_arrays_are_padded_rows_with_positions_and_segments():
     batch = trajectories_to_batch([short, long], pad_id=99)
     assert batch["tokens"].shape == (2, 128)  # 70 rounded up to a multiple of 64
     expected_dtypes = {
-        "tokens": np.int32, "positions": np.int32, "segment_ids": np.int32, "action_mask": np.float32,
-        "sampler_logprobs": np.float32, "rewards": np.float32, "group_ids": np.int32, "lengths": np.int32,
+        "tokens": np.int32,
+        "positions": np.int32,
+        "segment_ids": np.int32,
+        "action_mask": np.float32,
+        "sampler_logprobs": np.float32,
+        "rewards": np.float32,
+        "group_ids": np.int32,
+        "lengths": np.int32,
         "policy_versions": np.int32,
     }
     assert {key: value.dtype for key, value in batch.items()} == expected_dtypes
@@ -101,8 +119,12 @@ def test_trajectory_from_a_token_in_token_out_rollout(qwen_tokenizer):
     encoded = encoder.encoded()
     logprobs = [0.0] * (len(encoded.token_ids) - len(sampled)) + sampled_logprobs
     trajectory = Trajectory(
-        token_ids=encoded.token_ids, action_mask=encoded.action_mask, sampler_logprobs=logprobs, reward=1.0,
-        num_turns=1, messages=encoder.messages,
+        token_ids=encoded.token_ids,
+        action_mask=encoded.action_mask,
+        sampler_logprobs=logprobs,
+        reward=1.0,
+        num_turns=1,
+        messages=encoder.messages,
     )
     batch = trajectories_to_batch([trajectory])
     row = batch["tokens"][0, : trajectory.length]
