@@ -535,6 +535,7 @@ class ConversationEncoder:
     ):
         self.tokenizer = tokenizer
         self.tools = _tool_schemas(tools)
+        self._chat_template = chat_template
         self._render = resolve_template(tokenizer, chat_template, self.tools)
         self.messages: list[Message] = []
         self.token_ids: list[int] = []
@@ -574,15 +575,19 @@ class ConversationEncoder:
         if not new_text.startswith(self._rendered_text):
             _raise_not_append_only(self.tokenizer, self._rendered_text, new_text, what)
 
-    def start(self, messages: Sequence[Message]) -> list[int]:
+    def start(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> list[int]:
         """Encode the prompt messages plus the generation prompt; returns those ids (all with mask 0).
 
+        `tools`, when given, replaces the tools passed to the constructor for this rollout.
         Assistant messages inside the prompt (e.g. few-shot turns) were not sampled by the policy: mask 0.
         """
         if self._started:
             raise ValueError(
                 "start() was already called on this ConversationEncoder; make a new one per rollout"
             )
+        if tools is not None:
+            self.tools = _tool_schemas(tools)
+            self._render = resolve_template(self.tokenizer, self._chat_template, self.tools)
         chunks = self._chunks(messages, True)
         encoded = encode_chunks(self.tokenizer, chunks)
         self.messages = list(messages)

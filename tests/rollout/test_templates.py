@@ -160,8 +160,8 @@ def _rollout_incrementally(tokenizer, messages, tools, chat_template, end_of_tur
     """Replay a conversation as a rollout: prompt, then sampled assistant turns and observations."""
     sampled_turns = hf_generated_turns(tokenizer, messages, tools, end_of_turn)
     first_assistant = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    encoder = ConversationEncoder(tokenizer, tools=tools, chat_template=chat_template)
-    prompt_ids = encoder.start(messages[:first_assistant])
+    encoder = ConversationEncoder(tokenizer, chat_template=chat_template)
+    prompt_ids = encoder.start(messages[:first_assistant], tools)
     assert prompt_ids == hf_token_ids(tokenizer, messages[:first_assistant], tools, True)
     index, turn = first_assistant, 0
     while index < len(messages):
