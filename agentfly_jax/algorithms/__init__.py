@@ -1,4 +1,5 @@
-"""Pure, jittable RL algorithms on token-aligned arrays: logprobs, advantage estimators and losses, by name."""
+"""Pure, jittable RL algorithms on token-aligned arrays: logprobs, advantage estimators, losses, by name."""
+
 from agentfly_jax.algorithms.advantages import (
     WHITEN_EPS,
     as_float_mask,
@@ -11,7 +12,10 @@ from agentfly_jax.algorithms.advantages import (
     rloo,
     token_level_rewards,
 )
-from agentfly_jax.algorithms.logprobs import logprobs_from_logits, token_logprobs_and_entropy
+from agentfly_jax.algorithms.logprobs import (
+    logprobs_from_logits,
+    token_logprobs_and_entropy,
+)
 from agentfly_jax.algorithms.losses import (
     AGGREGATION_MODES,
     aggregate_loss,
@@ -35,10 +39,33 @@ from agentfly_jax.algorithms.registry import (
 )
 
 __all__ = [
-    "WHITEN_EPS", "AGGREGATION_MODES", "as_float_mask", "compute_advantages", "gae", "grpo", "rloo",
-    "reinforce_pp", "last_action_token", "masked_whiten", "token_level_rewards", "logprobs_from_logits",
-    "token_logprobs_and_entropy", "aggregate_loss", "loss_denominator", "entropy_bonus", "kl_k1", "kl_k2", "kl_k3",
-    "kl_penalty", "ppo_policy_loss", "truncated_is_weights", "value_loss", "advantage_estimator_names",
-    "get_advantage_estimator", "get_policy_loss", "policy_loss_names", "register_advantage_estimator",
+    "AGGREGATION_MODES",
+    "WHITEN_EPS",
+    "advantage_estimator_names",
+    "aggregate_loss",
+    "as_float_mask",
+    "compute_advantages",
+    "entropy_bonus",
+    "gae",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "grpo",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalty",
+    "last_action_token",
+    "logprobs_from_logits",
+    "loss_denominator",
+    "masked_whiten",
+    "policy_loss_names",
+    "ppo_policy_loss",
+    "register_advantage_estimator",
     "register_policy_loss",
+    "reinforce_pp",
+    "rloo",
+    "token_level_rewards",
+    "token_logprobs_and_entropy",
+    "truncated_is_weights",
+    "value_loss",
 ]

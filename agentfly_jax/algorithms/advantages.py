@@ -1,13 +1,14 @@
 """Advantage estimators on token-aligned, multi-turn batches: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE.
 
 Conventions shared by every estimator:
-- `action_mask[b, t]` (bool or 0/1 float) is 1 where the policy sampled token t; prompt, tool-output and template
-  tokens are 0. A multi-turn chain is several action spans separated by observation spans.
+- `action_mask[b, t]` (bool or 0/1 float) is 1 where the policy sampled token t; prompt, tool-output and
+  template tokens are 0. A multi-turn chain is several action spans separated by observation spans.
 - Outputs are fp32 [B, T] and exactly 0 on non-action tokens; inputs at non-action positions are never read.
-- `group_ids[b]` are arbitrary ints (same task => same id), not necessarily 0..G-1 or contiguous. A padding row
-  that should not join any group's statistics needs an id of its own.
+- `group_ids[b]` are arbitrary ints (same task => same id), not necessarily 0..G-1 or contiguous. A padding
+  row that should not join any group's statistics needs an id of its own.
 Shapes: B batch (trajectories), T sequence.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,7 @@ def as_float_mask(action_mask):
 
 def _broadcast_to_actions(per_sequence, action_mask):
     """Scalar per sequence [B] -> the same value on each action token [B, T], 0 elsewhere."""
-    return per_sequence[:, None] * as_float_mask(action_mask)
+    return jnp.where(as_float_mask(action_mask) > 0, per_sequence[:, None], 0.0)
 
 
 def _group_index(group_ids):
@@ -48,18 +49,14 @@ def _group_centered(rewards, index, count):
     exactly 0 (a plain fp32 mean of, e.g., three 0.3s is not exactly 0.3, and GRPO would then amplify the
     rounding error by 1 / eps)."""
     shift = jax.ops.segment_min(rewards, index, num_segments=rewards.shape[0])[index]
-    centered = rewards - shift
-    for _ in range(2):  # the second pass removes the rounding error of the first mean (two-pass correction)
-        centered = centered - _group_total(centered, index) / count
-    return centered
+    offset = rewards - shift
+    return offset - _group_total(offset, index) / count
 
 
 @register_advantage_estimator("grpo")
 def grpo(rewards, group_ids, action_mask, *, normalize_std=True, eps=1e-6):
-    """GRPO: (r - group mean) / (group sample std (ddof=1) + eps) on action tokens [B, T]; a group of one gets 0.
-
-    `normalize_std=False` is Dr.GRPO: r - group mean, no division.
-    """
+    """GRPO: (r - group mean) / (group sample std (ddof=1) + eps) on action tokens [B, T]; a group of one
+    gets 0. `normalize_std=False` is Dr.GRPO: r - group mean, no division."""
     rewards = jnp.asarray(rewards, jnp.float32)  # [B]
     index = _group_index(group_ids)
     count = _group_total(jnp.ones_like(rewards), index)  # [B] size of each member's group
@@ -67,7 +64,7 @@ def grpo(rewards, group_ids, action_mask, *, normalize_std=True, eps=1e-6):
     if normalize_std:
         sample_var = _group_total(advantages**2, index) / jnp.maximum(count - 1.0, 1.0)
         advantages = advantages / (jnp.sqrt(sample_var) + eps)
-    advantages = jnp.where(count > 1, advantages, 0.0)
+    advantages = jnp.where(count > 1, advantages, 0.0)  # _group_centered already gives a lone member 0
     return _broadcast_to_actions(advantages, action_mask)
 
 
@@ -76,7 +73,8 @@ register_advantage_estimator("drgrpo")(functools.partial(grpo, normalize_std=Fal
 
 @register_advantage_estimator("rloo")
 def rloo(rewards, group_ids, action_mask):
-    """RLOO: r_i minus the mean reward of the other members of its group, on action tokens [B, T]; alone -> 0."""
+    """RLOO: r_i minus the mean reward of the other members of its group, on action tokens [B, T]; a group
+    of one gets 0."""
     rewards = jnp.asarray(rewards, jnp.float32)  # [B]
     index = _group_index(group_ids)
     count = _group_total(jnp.ones_like(rewards), index)  # [B]
@@ -87,7 +85,7 @@ def rloo(rewards, group_ids, action_mask):
 
 
 def last_action_token(action_mask):
-    """One-hot [B, T] (fp32) of each sequence's last action token; an all-zero row for a sequence with none."""
+    """One-hot [B, T] (fp32) of each sequence's last action token; an all-zero row where there is none."""
     mask = as_float_mask(action_mask)  # [B, T]
     seq_len = mask.shape[1]
     last = seq_len - 1 - jnp.argmax(mask[:, ::-1], axis=1)  # [B]; argmax finds the first 1 from the right
@@ -96,7 +94,8 @@ def last_action_token(action_mask):
 
 
 def token_level_rewards(rewards, action_mask, *, token_kl=None, kl_coef=0.0):
-    """Per-token rewards [B, T]: -kl_coef * token_kl on action tokens, plus the scalar reward [B] on the last one."""
+    """Per-token rewards [B, T]: -kl_coef * token_kl on action tokens, plus the scalar reward [B] on the
+    last action token."""
     mask = as_float_mask(action_mask)
     token_rewards = jnp.asarray(rewards, jnp.float32)[:, None] * last_action_token(mask)
     if token_kl is not None:
@@ -106,15 +105,16 @@ def token_level_rewards(rewards, action_mask, *, token_kl=None, kl_coef=0.0):
 
 
 def masked_whiten(values, action_mask, *, eps=WHITEN_EPS):
-    """(x - mean) / (sample std (ddof=1) + eps) with mean and std over all action tokens of the batch; 0 elsewhere."""
+    """(x - mean) / (sample std (ddof=1) + eps), mean and std over all action tokens of the batch; 0
+    elsewhere."""
     mask = as_float_mask(action_mask)  # [B, T]
     values = jnp.where(mask > 0, values, 0.0).astype(jnp.float32)
     count = jnp.sum(mask)
     # Centre relative to the smallest action value, so equal values whiten to exactly 0 (see _group_centered).
     shift = jnp.min(jnp.where(mask > 0, values, jnp.inf))
-    shift = jnp.where(count > 0, shift, 0.0)
-    centered = (values - shift) * mask
-    for _ in range(2):  # a fp32 sum over every action token of the batch is off by many ulps; pass 2 corrects it
+    centered = (values - jnp.where(count > 0, shift, 0.0)) * mask
+    # A fp32 sum over every action token of the batch is off by many ulps; a second pass removes that error.
+    for _ in range(2):
         centered = (centered - jnp.sum(centered) / jnp.maximum(count, 1.0)) * mask
     sample_std = jnp.sqrt(jnp.sum(centered**2) / jnp.maximum(count - 1.0, 1.0))
     return centered / (sample_std + eps)
@@ -122,10 +122,11 @@ def masked_whiten(values, action_mask, *, eps=WHITEN_EPS):
 
 @register_advantage_estimator("reinforce_pp")
 def reinforce_pp(rewards, action_mask, *, token_kl=None, kl_coef=0.0):
-    """REINFORCE++: undiscounted return-to-go of per-token rewards (-kl_coef*kl, scalar reward on the last action
-    token) over action tokens, whitened over all action tokens of the batch with the SAMPLE std (ddof=1) [B, T]."""
+    """REINFORCE++ [B, T]: undiscounted return-to-go over action tokens of the per-token rewards
+    (-kl_coef * token_kl, plus the scalar reward on the last action token), whitened over all action tokens
+    of the batch with the SAMPLE std (ddof=1); see `masked_whiten`."""
     mask = as_float_mask(action_mask)  # [B, T]
-    token_rewards = token_level_rewards(rewards, mask, token_kl=token_kl, kl_coef=kl_coef)  # [B, T], 0 off-action
+    token_rewards = token_level_rewards(rewards, mask, token_kl=token_kl, kl_coef=kl_coef)  # [B, T]
     returns = jnp.flip(jnp.cumsum(jnp.flip(token_rewards, axis=1), axis=1), axis=1) * mask  # reverse cumsum
     return masked_whiten(returns, mask)
 
@@ -159,7 +160,7 @@ def gae(token_rewards, values, action_mask, *, gamma, lam):
 
 
 def _call_with_inputs(name, estimator, inputs, cfg):
-    """Calls `estimator` with the batch inputs its signature names plus `cfg`; clear errors for gaps and typos."""
+    """Calls `estimator` with the batch inputs its signature names plus `cfg`; clear errors on gaps/typos."""
     params = inspect.signature(estimator).parameters
     unknown = sorted(set(cfg) - set(params))
     if unknown:
@@ -182,16 +183,22 @@ def compute_advantages(
     """Runs the estimator registered as `name` -> (advantages [B, T], returns [B, T] or None).
 
     Every estimator is given the batch inputs its signature asks for; `cfg` holds its keyword knobs
-    (`normalize_std`, `eps`, `kl_coef`, `gamma`, `lam`, ...). An estimator that needs `token_rewards` (GAE) gets
-    them built from the scalar `rewards` (on the last action token) minus `kl_coef * token_kl` when not given.
-    Only estimators that return a pair (GAE) produce returns.
+    (`normalize_std`, `eps`, `kl_coef`, `gamma`, `lam`, ...). An estimator that needs `token_rewards` (GAE)
+    gets them built from the scalar `rewards` (on the last action token) minus `kl_coef * token_kl` when not
+    given. Only estimators that return a pair (GAE) produce returns.
     """
     estimator = get_advantage_estimator(name)
     takes_token_rewards = "token_rewards" in inspect.signature(estimator).parameters
     if takes_token_rewards and token_rewards is None:
         kl_coef = cfg.pop("kl_coef", 0.0)
         token_rewards = token_level_rewards(rewards, action_mask, token_kl=token_kl, kl_coef=kl_coef)
-    inputs = dict(rewards=rewards, group_ids=group_ids, action_mask=action_mask, token_kl=token_kl, values=values,
-                  token_rewards=token_rewards)
+    inputs = {
+        "rewards": rewards,
+        "group_ids": group_ids,
+        "action_mask": action_mask,
+        "token_kl": token_kl,
+        "values": values,
+        "token_rewards": token_rewards,
+    }
     out = _call_with_inputs(name, estimator, inputs, cfg)
     return out if isinstance(out, tuple) else (out, None)

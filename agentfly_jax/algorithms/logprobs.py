@@ -1,13 +1,14 @@
 """Per-token log-probabilities and entropies of sampled tokens, in fp32, optionally chunked over the sequence.
 
-Token alignment: `targets[b, t]` is the token whose probability the logits at position t give (the caller shifts),
-so `logprobs[b, t]` lines up with `action_mask[b, t]`.
+Token alignment: `targets[b, t]` is the token whose probability the logits at position t give (the caller
+shifts), so `logprobs[b, t]` lines up with `action_mask[b, t]`.
 Shapes: B batch, T sequence, C chunk, E hidden size, V vocabulary.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ def logprobs_from_logits(logits, targets, temperature=1.0):
     """(logprobs [B, T], entropy [B, T]) in fp32 of `targets` under softmax(logits / temperature)."""
     scaled = logits.astype(jnp.float32) / temperature  # [B, T, V]
     log_probs = jax.nn.log_softmax(scaled, axis=-1)  # [B, T, V]
-    token_logprobs = jnp.take_along_axis(log_probs, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]  # [B, T]
+    target_index = targets[..., None].astype(jnp.int32)  # [B, T, 1]
+    token_logprobs = jnp.take_along_axis(log_probs, target_index, axis=-1)[..., 0]  # [B, T]
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)  # [B, T]
     return token_logprobs, entropy
 
@@ -25,11 +27,13 @@ def logprobs_from_logits(logits, targets, temperature=1.0):
 def token_logprobs_and_entropy(
     hidden, targets, logits_fn: Callable, *, temperature=1.0, chunk_size: int | None = None
 ):
-    """(logprobs [B, T], entropy [B, T]) in fp32 from final hidden states [B, T, E] and `logits_fn` (-> [B, C, V]).
+    """(logprobs [B, T], entropy [B, T]) in fp32 from final hidden states [B, T, E] and
+    `logits_fn(hidden_chunk [B, C, E]) -> logits [B, C, V]`.
 
-    With `chunk_size`, the sequence is cut into chunks of that many positions (T padded up internally) and the
-    fp32 logits of only one chunk exist at a time, in the forward and, thanks to rematerialisation, the backward
-    pass; without it the whole sequence goes through `logits_fn` at once. Both give the same values and gradients.
+    With `chunk_size`, the sequence is cut into chunks of that many positions (T padded up internally) and
+    the fp32 logits of only one chunk exist at a time, in the forward and, thanks to rematerialisation, the
+    backward pass; without it the whole sequence goes through `logits_fn` at once. Both give the same values
+    and gradients.
     """
     batch, seq_len, _ = hidden.shape
     if chunk_size is None or chunk_size >= seq_len:

@@ -1,10 +1,12 @@
-"""Token-masked losses: PPO clipped policy loss, clipped value loss, KL estimators, entropy bonus, aggregation,
-and truncated importance-sampling weights between the trainer's and the sampler's logprobs.
+"""Token-masked losses: PPO clipped policy loss, clipped value loss, KL estimators, entropy bonus,
+aggregation, and truncated importance-sampling weights between the trainer's and the sampler's logprobs.
 
-All per-token inputs are fp32-castable [B, T] arrays aligned with `action_mask` (see `advantages.py`); values at
-non-action positions are never read (they are selected away with `where`, so even inf/nan there is harmless).
+All per-token inputs are fp32-castable [B, T] arrays aligned with `action_mask` (see `advantages.py`); values
+at non-action positions are never read (they are selected away with `where`, so even inf/nan there is
+harmless).
 Metrics are dicts of fp32 scalars computed over action tokens (0 when there are none).
 """
+
 from __future__ import annotations
 
 import math
@@ -25,9 +27,10 @@ def _check_mode(mode):
 
 
 def loss_denominator(action_mask, mode="token-mean"):
-    """The normaliser `aggregate_loss` divides by: action-token count ("token-mean") or number of sequences with
-    at least one action token (the "seq-mean-*" modes). Additive over micro-batches, so a trainer can compute it
-    once on the full batch and pass it as `denominator` to make micro-batch losses sum to the full-batch loss."""
+    """The normaliser `aggregate_loss` divides by: the action-token count ("token-mean") or the number of
+    sequences with at least one action token (the "seq-mean-*" modes). It is additive over micro-batches, so a
+    trainer can compute it once on the full batch and pass it as `denominator`; the micro-batch losses then
+    sum to the full-batch loss."""
     _check_mode(mode)
     mask = as_float_mask(action_mask)  # [B, T]
     if mode == "token-mean":
@@ -50,10 +53,12 @@ def aggregate_loss(per_token, action_mask, mode="token-mean", *, norm_len=None, 
     """Reduces a per-token loss [B, T] over action tokens to a scalar.
 
     - "token-mean": sum over all action tokens / their count.
-    - "seq-mean-token-mean": each sequence's mean over its action tokens, averaged over the sequences that have any.
+    - "seq-mean-token-mean": each sequence's mean over its action tokens, averaged over the sequences that
+      have any.
     - "seq-mean-token-sum-norm" (Dr.GRPO): each sequence's sum over its action tokens / a constant horizon
       (`norm_len`, default T), averaged over the sequences that have any action token.
-    `denominator` replaces the local normaliser (see `loss_denominator`). No action tokens at all gives 0, not nan.
+    `denominator` replaces the local normaliser (see `loss_denominator`). No action tokens at all gives 0,
+    not nan.
     """
     _check_mode(mode)
     mask = as_float_mask(action_mask)
@@ -75,19 +80,29 @@ def _masked_extreme(x, mask, reduce, fill):
 # ------------------------------------------------------------------------------------------------ policy loss
 @register_policy_loss("ppo")
 def ppo_policy_loss(
-    logprobs, old_logprobs, advantages, action_mask, *, clip_eps=0.2, clip_eps_high=None, dual_clip=None,
-    agg="token-mean", is_weights=None, norm_len=None, denominator=None,
+    logprobs,
+    old_logprobs,
+    advantages,
+    action_mask,
+    *,
+    clip_eps=0.2,
+    clip_eps_high=None,
+    dual_clip=None,
+    agg="token-mean",
+    is_weights=None,
+    norm_len=None,
+    denominator=None,
 ):
     """PPO clipped surrogate -> (loss, metrics), with ratio = exp(logprobs - old_logprobs) per token [B, T].
 
-    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high defaults to clip_eps; larger values
-    are DAPO's clip-higher). With `dual_clip` (> 1), a negative-advantage token's loss is capped at
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high defaults to clip_eps; larger
+    values are DAPO's clip-higher). With `dual_clip` (> 1), a negative-advantage token's loss is capped at
     dual_clip * (-A). `is_weights` [B, T] (e.g. `truncated_is_weights`) multiply the per-token loss, without
     gradient, before aggregation by `agg` (see `aggregate_loss`, which also takes `norm_len`, `denominator`).
 
-    Metrics: clip_fraction (action tokens where the clipped term is the active one, i.e. its gradient is cut),
-    dual_clip_fraction, approx_kl (mean over action tokens of the k3 estimator (r - 1) - log r of KL(old || new)),
-    ratio_mean, ratio_min, ratio_max.
+    Metrics: clip_fraction (action tokens where the clipped term is the active one, i.e. its gradient is
+    cut), dual_clip_fraction, approx_kl (mean over action tokens of the k3 estimator (r - 1) - log r of
+    KL(old || new)), ratio_mean, ratio_min, ratio_max.
     """
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (it caps the loss at dual_clip * -A), got {dual_clip}")
@@ -124,7 +139,15 @@ def ppo_policy_loss(
 
 # ------------------------------------------------------------------------------------------------- value loss
 def value_loss(
-    values, old_values, returns, action_mask, *, clip_eps=0.2, agg="token-mean", norm_len=None, denominator=None
+    values,
+    old_values,
+    returns,
+    action_mask,
+    *,
+    clip_eps=0.2,
+    agg="token-mean",
+    norm_len=None,
+    denominator=None,
 ):
     """Clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clip(v - old, ±clip_eps)
     -> (loss, metrics); `clip_eps=None` gives the plain 0.5 * (v - R)^2.
@@ -156,7 +179,8 @@ def value_loss(
 
 # ------------------------------------------------------------------------------------------------ KL, entropy
 def kl_k1(logprobs, ref_logprobs):
-    """k1 = logp - ref_logp per token: unbiased estimate of KL(policy || ref) under policy samples, high variance."""
+    """k1 = logp - ref_logp per token: unbiased estimate of KL(policy || ref) under policy samples; high
+    variance, can be negative."""
     return (logprobs - ref_logprobs).astype(jnp.float32)
 
 
@@ -166,15 +190,16 @@ def kl_k2(logprobs, ref_logprobs):
 
 
 def kl_k3(logprobs, ref_logprobs, *, clamp=10.0):
-    """k3 ("low_var_kl") = exp(ref - logp) - (ref - logp) - 1 per token: unbiased, >= 0, low variance.
+    """k3 ("low_var_kl") = exp(ref - logp) - (ref - logp) - 1 per token: unbiased (unclamped), >= 0, low
+    variance.
 
     With `clamp` (default 10, as common practice) the result is clipped to [-clamp, clamp] (it is >= 0, so in
     effect to <= clamp), and tokens beyond it get no gradient; `clamp=None` disables it.
     """
     log_ratio = (ref_logprobs - logprobs).astype(jnp.float32)  # [B, T]
     if clamp is not None:
-        # Clipping the log-ratio first changes no clamped value (k3 already >= clamp outside this range), but keeps
-        # exp finite, so a far-off token cannot turn the zero gradient of the clamp into inf * 0 = nan.
+        # Clipping the log-ratio first changes no clamped value (k3 is already >= clamp outside this range),
+        # but keeps exp finite, so a far-off token cannot turn the clamp's zero gradient into inf * 0 = nan.
         log_ratio = jnp.clip(log_ratio, -(clamp + 1.0), math.log(2.0 * clamp + 2.0))
     kl = jnp.exp(log_ratio) - log_ratio - 1.0
     return kl if clamp is None else jnp.clip(kl, -clamp, clamp)
@@ -184,14 +209,15 @@ _KL_ESTIMATORS = {"k1": kl_k1, "kl": kl_k1, "k2": kl_k2, "mse": kl_k2, "k3": kl_
 
 
 def kl_penalty(logprobs, ref_logprobs, kind="k3"):
-    """Per-token KL estimate [B, T] of the policy from the reference, by name: k1|kl, k2|mse, k3|low_var_kl."""
+    """Per-token KL estimate [B, T] of the policy from the reference by name: k1|kl, k2|mse, k3|low_var_kl."""
     if kind not in _KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator '{kind}'; known: {', '.join(_KL_ESTIMATORS)}")
     return _KL_ESTIMATORS[kind](logprobs, ref_logprobs)
 
 
 def entropy_bonus(entropy, action_mask, *, coef, agg="token-mean", norm_len=None, denominator=None):
-    """The term to ADD to the loss for an entropy bonus: -coef * entropy [B, T] aggregated over action tokens."""
+    """The term to ADD to the loss for an entropy bonus: -coef * entropy [B, T] aggregated over action
+    tokens."""
     return -coef * aggregate_loss(entropy, action_mask, agg, norm_len=norm_len, denominator=denominator)
 
 

@@ -1,10 +1,12 @@
 """Name -> function registries, so a config selects an advantage estimator or a policy loss by name.
 
-Adding an algorithm is one decorated pure function (plus its numpy-reference test); learners only look names up.
+Adding an algorithm is one decorated pure function (plus its numpy-reference test); learners only look
+names up.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _POLICY_LOSSES: dict[str, Callable] = {}
@@ -39,7 +41,8 @@ def advantage_estimator_names() -> list[str]:
 
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: registers a policy loss `(logprobs, old_logprobs, advantages, action_mask, **cfg) -> (loss, metrics)`."""
+    """Decorator: registers a policy loss
+    `(logprobs, old_logprobs, advantages, action_mask, **cfg) -> (loss, metrics)` under `name`."""
     return lambda fn: _register(_POLICY_LOSSES, "policy loss", name, fn)
 
 

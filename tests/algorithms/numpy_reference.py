@@ -1,8 +1,10 @@
 """Independent float64 references for the algorithms, written as plain loops over sequences and tokens.
 
-Deliberately not a transcription of the vectorised JAX code: groups are dicts, returns are accumulated token by
-token, statistics are running sums. Inputs are numpy arrays; masks are read as "nonzero = action token".
+Deliberately not a transcription of the vectorised JAX code: groups are dicts, returns are accumulated
+token by token, statistics are running sums. Inputs are numpy arrays; a nonzero mask entry is an action
+token.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +22,7 @@ def multi_turn_mask(rng, batch, seq_len, empty_rows=()):
         t = int(rng.integers(1, 5))  # prompt
         while t < seq_len:
             span = int(rng.integers(1, 6))
-            mask[b, t:t + span] = 1.0
+            mask[b, t : t + span] = 1.0
             t += span + int(rng.integers(1, 5))  # tool output / template tokens
             if rng.random() < 0.15:  # ragged: this chain ends early, the rest is padding
                 break
@@ -44,7 +46,7 @@ def groups_of(group_ids):
 
 # ----------------------------------------------------------------------------------------------- logprobs
 def logprobs_and_entropy(logits, targets, temperature=1.0):
-    batch, seq_len, vocab = logits.shape
+    batch, seq_len, _vocab = logits.shape
     logprobs = np.zeros((batch, seq_len))
     entropy = np.zeros((batch, seq_len))
     for b in range(batch):
@@ -151,8 +153,17 @@ def _mean_over_actions(x, mask):
     return sum(values) / len(values) if values else 0.0
 
 
-def ppo(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_eps_high=None, dual_clip=None,
-        agg="token-mean", is_weights=None):
+def ppo(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_eps=0.2,
+    clip_eps_high=None,
+    dual_clip=None,
+    agg="token-mean",
+    is_weights=None,
+):
     """-> (loss, metrics, dloss_dlogprobs): the gradient is written out per token from the case analysis."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     per_token = np.zeros(mask.shape)
@@ -179,11 +190,14 @@ def ppo(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, clip_eps_high=No
             ratios[b, t], kl[b, t] = ratio, ratio - 1 - log_ratio
     action_ratios = [ratios[b, t] for b in range(mask.shape[0]) for t in action_positions(mask[b])]
     metrics = {
-        "clip_fraction": _mean_over_actions(clipped, mask), "dual_clip_fraction": _mean_over_actions(dual, mask),
-        "approx_kl": _mean_over_actions(kl, mask), "ratio_mean": _mean_over_actions(ratios, mask),
-        "ratio_min": min(action_ratios), "ratio_max": max(action_ratios),
+        "clip_fraction": _mean_over_actions(clipped, mask),
+        "dual_clip_fraction": _mean_over_actions(dual, mask),
+        "approx_kl": _mean_over_actions(kl, mask),
+        "ratio_mean": _mean_over_actions(ratios, mask),
+        "ratio_min": min(action_ratios),
+        "ratio_max": max(action_ratios),
     }
-    # Every aggregation mode is linear in the per-token loss, so its gradient is the aggregation of the slopes.
+    # Every aggregation mode is linear in the per-token loss, so its gradient aggregates the slopes.
     grad = np.zeros(mask.shape)
     for b in range(mask.shape[0]):
         for t in action_positions(mask[b]):
@@ -206,8 +220,11 @@ def value_loss(values, old_values, returns, mask, clip_eps=0.2, agg="token-mean"
                     error = (v_clipped - ret) ** 2
                     clipped[b, t] = 1
             per_token[b, t] = 0.5 * error
-    metrics = {"value_clip_fraction": _mean_over_actions(clipped, mask),
-               "value_mean": _mean_over_actions(values, mask), "return_mean": _mean_over_actions(returns, mask)}
+    metrics = {
+        "value_clip_fraction": _mean_over_actions(clipped, mask),
+        "value_mean": _mean_over_actions(values, mask),
+        "return_mean": _mean_over_actions(returns, mask),
+    }
     return aggregate(per_token, mask, agg), metrics
 
 
@@ -234,6 +251,9 @@ def truncated_is_weights(logprobs, sampler_logprobs, mask, cap):
             weights[b, t] = min(raw, cap)
             capped[b, t] = float(raw > cap)
     action_weights = [weights[b, t] for b in range(mask.shape[0]) for t in action_positions(mask[b])]
-    metrics = {"is_weight_mean": _mean_over_actions(weights, mask), "is_weight_max": max(action_weights),
-               "is_capped_fraction": _mean_over_actions(capped, mask)}
+    metrics = {
+        "is_weight_mean": _mean_over_actions(weights, mask),
+        "is_weight_max": max(action_weights),
+        "is_capped_fraction": _mean_over_actions(capped, mask),
+    }
     return weights, metrics

@@ -1,4 +1,5 @@
 """Advantage estimators against the loop-based float64 references in numpy_reference.py."""
+
 import functools
 
 import jax
@@ -54,7 +55,9 @@ def test_grpo_bool_float_and_int_masks_agree():
 def test_drgrpo_is_registered_as_unnormalised_grpo():
     _, rewards, mask = make_batch(3)
     got = algorithms.get_advantage_estimator("drgrpo")(rewards, GROUP_IDS, mask)
-    np.testing.assert_allclose(got, ref.grpo(rewards, GROUP_IDS, mask, normalize_std=False), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        got, ref.grpo(rewards, GROUP_IDS, mask, normalize_std=False), rtol=RTOL, atol=ATOL
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -82,12 +85,14 @@ def test_reinforce_pp_ignores_non_action_kl_even_if_inf():
     token_kl = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
     garbage = np.where(mask > 0, token_kl, np.inf).astype(np.float32)
     clean = algorithms.reinforce_pp(rewards, mask, token_kl=token_kl, kl_coef=0.05)
-    np.testing.assert_array_equal(algorithms.reinforce_pp(rewards, mask, token_kl=garbage, kl_coef=0.05), clean)
+    np.testing.assert_array_equal(
+        algorithms.reinforce_pp(rewards, mask, token_kl=garbage, kl_coef=0.05), clean
+    )
 
 
 def test_reinforce_pp_reward_sits_on_last_action_token_of_the_last_turn():
     # One chain, two turns: every action token's undiscounted return is the final reward, so all are equal and
-    # whiten to 0 -- unless the reward were placed elsewhere (e.g. at the end of the first turn or the sequence).
+    # whiten to 0 -- unless the reward were placed elsewhere (end of the first turn, end of the sequence).
     mask = np.array([[0, 1, 1, 0, 0, 1, 1, 0, 0]], np.float32)
     got = algorithms.reinforce_pp(np.array([2.0], np.float32), mask)
     np.testing.assert_array_equal(got, np.zeros_like(mask))
@@ -129,7 +134,9 @@ def test_gae_hand_computed_two_turns():
     mask = np.array([[1, 1, 0, 0, 1, 0]], np.float32)
     token_rewards = np.array([[0.0, 0.5, 9.0, 9.0, 1.0, 9.0]], np.float32)
     values = np.array([[0.2, 0.4, 5.0, 5.0, 0.6, 5.0]], np.float32)
-    advantages, returns = jax.jit(functools.partial(algorithms.gae, gamma=0.9, lam=0.8))(token_rewards, values, mask)
+    advantages, returns = jax.jit(functools.partial(algorithms.gae, gamma=0.9, lam=0.8))(
+        token_rewards, values, mask
+    )
     np.testing.assert_allclose(advantages, [[0.82816, 0.928, 0, 0, 0.4, 0]], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(returns, [[1.02816, 1.328, 0, 0, 1.0, 0]], rtol=RTOL, atol=ATOL)
 
@@ -141,8 +148,9 @@ def test_gae_observation_tokens_do_not_leak():
     noise = rng.normal(scale=100.0, size=(BATCH, SEQ)).astype(np.float32)
     off = mask == 0
     clean = algorithms.gae(token_rewards, values, mask, gamma=0.95, lam=0.9)
-    leaky = algorithms.gae(np.where(off, noise, token_rewards), np.where(off, -noise, values), mask, gamma=0.95,
-                           lam=0.9)
+    leaky = algorithms.gae(
+        np.where(off, noise, token_rewards), np.where(off, -noise, values), mask, gamma=0.95, lam=0.9
+    )
     for got, want in zip(leaky, clean):
         np.testing.assert_array_equal(got, want)
         assert np.all(np.asarray(got)[off] == 0.0)
@@ -153,7 +161,13 @@ def test_compute_advantages_dispatches_by_name():
     rng, rewards, mask = make_batch(7)
     token_kl = rng.normal(scale=0.3, size=(BATCH, SEQ)).astype(np.float32)
     values = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
-    batch = dict(rewards=rewards, group_ids=GROUP_IDS, action_mask=mask, token_kl=token_kl, values=values)
+    batch = {
+        "rewards": rewards,
+        "group_ids": GROUP_IDS,
+        "action_mask": mask,
+        "token_kl": token_kl,
+        "values": values,
+    }
 
     @functools.partial(jax.jit, static_argnames="name")
     def run(name, batch, **cfg):
@@ -167,7 +181,9 @@ def test_compute_advantages_dispatches_by_name():
     advantages, _ = run("rloo", batch)
     np.testing.assert_allclose(advantages, ref.rloo(rewards, GROUP_IDS, mask), rtol=RTOL, atol=ATOL)
     advantages, _ = run("reinforce_pp", batch, kl_coef=0.2)
-    np.testing.assert_allclose(advantages, ref.reinforce_pp(rewards, mask, token_kl, 0.2), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        advantages, ref.reinforce_pp(rewards, mask, token_kl, 0.2), rtol=RTOL, atol=ATOL
+    )
 
     # GAE without token rewards: scalar reward on each chain's last action token, minus kl_coef * token_kl.
     advantages, returns = run("gae", batch, gamma=0.99, lam=0.95, kl_coef=0.2)
@@ -195,8 +211,9 @@ def test_compute_advantages_rejects_missing_inputs_and_unknown_config():
     with pytest.raises(ValueError, match="'gae' needs `values`"):
         algorithms.compute_advantages("gae", rewards=rewards, action_mask=mask, gamma=1.0, lam=1.0)
     with pytest.raises(TypeError, match=r"'rloo' got unknown config \['gamma'\]"):
-        algorithms.compute_advantages("rloo", rewards=rewards, group_ids=np.zeros(2, int), action_mask=mask,
-                                      gamma=0.9)
+        algorithms.compute_advantages(
+            "rloo", rewards=rewards, group_ids=np.zeros(2, int), action_mask=mask, gamma=0.9
+        )
 
 
 def test_registering_a_taken_name_fails():

@@ -1,4 +1,5 @@
-"""Token logprobs/entropy: numpy log-softmax reference, chunked == unchunked (values and gradients), memory."""
+"""Token logprobs/entropy: numpy log-softmax reference, chunked == unchunked (values, gradients), memory."""
+
 import functools
 
 import jax
@@ -39,8 +40,14 @@ def test_logprobs_from_logits_matches_numpy_log_softmax(temperature):
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 10, 64])  # 3 and 4 do not divide T=10: internal padding
 def test_chunked_matches_numpy_reference(chunk_size):
     hidden, targets, weight = make_inputs(1)
-    fn = jax.jit(functools.partial(algorithms.token_logprobs_and_entropy, logits_fn=functools.partial(project, weight),
-                                   temperature=0.8, chunk_size=chunk_size))
+    fn = jax.jit(
+        functools.partial(
+            algorithms.token_logprobs_and_entropy,
+            logits_fn=functools.partial(project, weight),
+            temperature=0.8,
+            chunk_size=chunk_size,
+        )
+    )
     got = fn(hidden, targets)
     want = ref.logprobs_and_entropy(hidden.astype(np.float64) @ weight, targets, 0.8)
     for g, w in zip(got, want):
@@ -51,7 +58,8 @@ def test_chunked_matches_numpy_reference(chunk_size):
 def _objective(weight, hidden, targets, chunk_size):
     # Uses both outputs with unequal per-token weights, so every position's gradient matters.
     logprobs, entropy = algorithms.token_logprobs_and_entropy(
-        hidden, targets, functools.partial(project, weight), temperature=0.9, chunk_size=chunk_size)
+        hidden, targets, functools.partial(project, weight), temperature=0.9, chunk_size=chunk_size
+    )
     scale = jnp.linspace(0.5, 1.5, SEQ)[None, :]
     return jnp.sum(logprobs * scale) + 0.1 * jnp.sum(entropy * scale[:, ::-1])
 
@@ -69,10 +77,12 @@ def test_chunked_gradients_equal_unchunked(chunk_size):
 
 
 def test_gradient_of_logprob_is_onehot_minus_softmax():
-    # Independent check of the unchunked gradient: d logp(y) / d logits = (onehot(y) - softmax(logits / tau)) / tau.
+    # Independent check of the gradient: d logp(y) / d logits = (onehot(y) - softmax(logits / tau)) / tau.
     hidden, targets, weight = make_inputs(3)
     logits = (hidden @ weight).astype(np.float64)
-    grad = jax.grad(lambda x: jnp.sum(algorithms.logprobs_from_logits(x, targets, 0.5)[0]))(logits.astype(np.float32))
+    grad = jax.grad(lambda x: jnp.sum(algorithms.logprobs_from_logits(x, targets, 0.5)[0]))(
+        logits.astype(np.float32)
+    )
     scaled = logits / 0.5
     softmax = np.exp(scaled - scaled.max(-1, keepdims=True))
     softmax /= softmax.sum(-1, keepdims=True)
@@ -82,7 +92,10 @@ def test_gradient_of_logprob_is_onehot_minus_softmax():
 
 def test_bf16_logits_are_computed_in_fp32():
     hidden, targets, weight = make_inputs(4)
-    bf16_head = lambda h: (h @ weight).astype(jnp.bfloat16)  # noqa: E731
+
+    def bf16_head(h):
+        return (h @ weight).astype(jnp.bfloat16)
+
     logprobs, entropy = algorithms.token_logprobs_and_entropy(hidden, targets, bf16_head, chunk_size=4)
     assert logprobs.dtype == entropy.dtype == jnp.float32
     rounded = np.asarray(jnp.asarray(hidden @ weight).astype(jnp.bfloat16).astype(jnp.float32))
@@ -94,13 +107,15 @@ def test_bf16_logits_are_computed_in_fp32():
 def test_bad_chunk_size_is_rejected():
     hidden, targets, weight = make_inputs(5)
     with pytest.raises(ValueError, match="chunk_size must be a positive"):
-        algorithms.token_logprobs_and_entropy(hidden, targets, functools.partial(project, weight), chunk_size=0)
+        algorithms.token_logprobs_and_entropy(
+            hidden, targets, functools.partial(project, weight), chunk_size=0
+        )
 
 
 def test_chunking_never_holds_full_sequence_logits():
-    # XLA's own buffer accounting of the compiled program: the unchunked forward needs at least the [B, T, V] fp32
-    # logits as scratch; the chunked forward AND backward must stay well under that (the backward only because
-    # each chunk's logits are recomputed instead of saved).
+    # XLA's own buffer accounting of the compiled program: the unchunked forward needs at least the [B, T, V]
+    # fp32 logits as scratch; the chunked forward AND backward must stay well under that (the backward only
+    # because each chunk's logits are recomputed instead of saved).
     batch, seq_len, embed, vocab = 2, 256, 32, 8192
     full_logits_bytes = batch * seq_len * vocab * 4
     weight = jnp.ones((embed, vocab))
@@ -109,7 +124,8 @@ def test_chunking_never_holds_full_sequence_logits():
 
     def objective(weight, hidden, chunk_size):
         logprobs, entropy = algorithms.token_logprobs_and_entropy(
-            hidden, targets, functools.partial(project, weight), chunk_size=chunk_size)
+            hidden, targets, functools.partial(project, weight), chunk_size=chunk_size
+        )
         return jnp.sum(logprobs) + jnp.sum(entropy)
 
     def scratch_bytes(fn):
