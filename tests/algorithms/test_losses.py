@@ -138,11 +138,15 @@ def test_ppo_ignores_garbage_outside_the_mask():
         np.where(off, fill, x).astype(np.float32)
         for x, fill in ((logprobs, 1e4), (old_logprobs, -np.inf), (advantages, np.nan))
     ]
+    weights = np.full((BATCH, SEQ), 0.9, np.float32)
+    dirty_weights = np.where(off, np.nan, weights).astype(np.float32)
     loss_fn = functools.partial(algorithms.ppo_policy_loss, dual_clip=2.0)
-    clean_loss, clean_grad = jax.value_and_grad(lambda lp: loss_fn(lp, old_logprobs, advantages, mask)[0])(
-        logprobs
+    clean_loss, clean_grad = jax.value_and_grad(
+        lambda lp: loss_fn(lp, old_logprobs, advantages, mask, is_weights=weights)[0]
+    )(logprobs)
+    loss, grad = jax.value_and_grad(lambda lp: loss_fn(lp, *dirty[1:], mask, is_weights=dirty_weights)[0])(
+        dirty[0]
     )
-    loss, grad = jax.value_and_grad(lambda lp: loss_fn(lp, *dirty[1:], mask)[0])(dirty[0])
     assert float(loss) == float(clean_loss)
     np.testing.assert_array_equal(grad, clean_grad)
 
