@@ -30,3 +30,10 @@ else
   "$VENV/bin/python" -m pip check
   echo "$want" > "$stamp"
 fi
+
+# Optional parts, each idempotent and each owning its own installs (system packages, extra venvs, daemons).
+for part in scripts/setup_sandbox.sh scripts/setup_vllm.sh; do
+  if [ -f "$part" ]; then
+    bash "$part"
+  fi
+done

@@ -1,0 +1,200 @@
+"""Benchmark: tokens/s and MFU of the policy update step, against HF transformers + torch on the same card.
+
+    python scripts/bench_update.py                      # Qwen2.5-0.5B shape, bf16, batch 8 x 1024, AdamW
+    python scripts/bench_update.py --shape tiny --steps 3  # the short CPU version CI runs
+
+Both sides get random weights of the same shape, the same token batch and AdamW. Ours runs the full PPO policy
+loss (fp32 log-probabilities in sequence chunks, clipped ratio); the peer runs transformers' causal-LM
+cross-entropy (sdpa attention, fused AdamW). Each side runs in its own subprocess so neither holds the other's
+device memory. Prints a JSON line per side and a summary with the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SHAPES = {
+    # Qwen2.5-0.5B: tied embeddings, qkv bias
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                         num_kv_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                         num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                 num_kv_heads=2, tie_word_embeddings=True),
+}
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def flops_per_token(shape: dict, seq_len: int) -> float:
+    """6 x matmul params (+ lm_head) + attention scores/values, forward and backward (PaLM appendix B)."""
+    h, f, layers, v = shape["hidden_size"], shape["intermediate_size"], shape["num_layers"], shape["vocab_size"]
+    d = h // shape["num_heads"]
+    q, kv = shape["num_heads"] * d, shape["num_kv_heads"] * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * f
+    return 6 * (layers * per_layer + h * v) + 12 * layers * q * seq_len
+
+
+def _timeit(fn, steps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_jax(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from agentfly_jax.models import CausalLM, ModelConfig, init_params
+    from agentfly_jax.trainer import (LossConfig, OptimizerConfig, build_update_batch, create_train_state,
+                                      make_optimizer, make_train_step)
+
+    shape = SHAPES[args.shape]
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    config = ModelConfig(**shape, qkv_bias=True, family="qwen2", dtype=dtype,
+                         param_dtype=jnp.float32 if args.fp32_params else dtype, remat=args.remat,
+                         attention_impl=args.attention)
+    model = CausalLM(config)
+    params = init_params(model, jax.random.PRNGKey(0))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
+    state = create_train_state(params, optimizer)
+    loss_cfg = LossConfig(logprob_chunk=args.chunk)
+    step = make_train_step(model, loss_cfg, optimizer)
+
+    rng = np.random.default_rng(0)
+    b, t = args.batch, args.seq_len
+    tokens = rng.integers(0, shape["vocab_size"], (b, t), dtype=np.int32)
+    mask = np.ones((b, t), np.float32)
+    mask[:, 0] = 0  # token 0 has no prediction
+    arrays = {"tokens": tokens, "action_mask": mask, "advantages": rng.normal(size=(b, t)).astype(np.float32) * mask,
+              "old_logprobs": np.full((b, t), -11.0, np.float32) * mask}
+    arrays["sampler_logprobs"] = arrays["old_logprobs"]
+    micro, _ = build_update_batch(arrays, np.full(b, t), agg="token-mean", row_len=t, micro_batches=args.micro)
+    micro = jax.tree.map(jnp.asarray, micro)
+    holder = {"state": state}
+
+    def one():
+        holder["state"], metrics = step(holder["state"], micro)
+        jax.block_until_ready(metrics["policy/loss"])
+
+    t0 = time.perf_counter()
+    one()
+    compile_s = time.perf_counter() - t0
+    times = _timeit(one, args.steps, args.warmup)
+    return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
+            "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, **_summary(args, times)}
+
+
+def run_torch(args) -> dict:
+    import torch
+    import transformers
+
+    shape = SHAPES[args.shape]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    cfg = transformers.Qwen2Config(
+        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_layers"],
+        num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
+        tie_word_embeddings=shape["tie_word_embeddings"], max_position_embeddings=max(args.seq_len, 2048))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=cuda)
+    ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq_len), device=device)
+
+    def one():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    one()
+    first_s = time.perf_counter() - t0
+    times = _timeit(one, args.steps, args.warmup)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    return {"impl": "transformers+torch", "device": name, "compile_s": round(first_s, 2),
+            "torch": torch.__version__, "transformers": transformers.__version__, **_summary(args, times)}
+
+
+def _summary(args, times) -> dict:
+    import statistics
+
+    median = statistics.median(times)
+    tokens = args.batch * args.seq_len
+    return {"shape": args.shape, "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
+            "step_ms": round(1e3 * median, 2), "step_ms_min": round(1e3 * min(times), 2),
+            "tokens_per_s": round(tokens / median, 1),
+            "flops_per_token": flops_per_token(SHAPES[args.shape], args.seq_len)}
+
+
+def _mfu(result: dict) -> float | None:
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in result["device"]), None)
+    if peak is None:
+        return None
+    return result["tokens_per_s"] * result["flops_per_token"] / peak
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--fp32-params", action="store_true", help="ours: fp32 master params, bf16 compute")
+    p.add_argument("--attention", choices=["xla", "cudnn"], default="xla")
+    p.add_argument("--remat", action="store_true")
+    p.add_argument("--chunk", type=int, default=256, help="positions per fp32 logits chunk")
+    p.add_argument("--micro", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--impl", choices=["all", "jax", "torch"], default="all")
+    p.add_argument("--out", help="append JSON results to this file")
+    args = p.parse_args(argv)
+
+    if args.impl != "all":
+        result = run_jax(args) if args.impl == "jax" else run_torch(args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    results = []
+    for impl in ("jax", "torch"):
+        cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
+               "--impl", impl]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+            raise SystemExit(f"benchmark side {impl!r} failed (exit {proc.returncode})")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    ours, peer = results
+    for r in results:
+        r["mfu"] = _mfu(r)
+        print(json.dumps(r))
+    ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
+    mfu = f", MFU ours {ours['mfu']:.1%} vs peer {peer['mfu']:.1%}" if ours["mfu"] else ""
+    print(f"SUMMARY {args.shape} {args.dtype} B={args.batch} T={args.seq_len} on {ours['device']}: "
+          f"ours {ours['tokens_per_s']:.0f} tok/s ({ours['step_ms']} ms) vs transformers+torch "
+          f"{peer['tokens_per_s']:.0f} tok/s ({peer['step_ms']} ms): ratio {ratio:.2f}x{mfu}")
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps({"ours": ours, "peer": peer, "ratio": ratio}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
