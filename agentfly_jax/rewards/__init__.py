@@ -1,0 +1,44 @@
+"""Rewards: the `@reward` decorator (dataset fields by parameter name) and built-in math/QA rewards."""
+
+from agentfly_jax.rewards.decorator import (
+    REWARD_REGISTRY,
+    Reward,
+    RewardBindingError,
+    RewardResult,
+    as_reward,
+    reward,
+)
+from agentfly_jax.rewards.extract import (
+    extract_answer,
+    extract_answer_tag,
+    extract_boxed,
+    extract_final_answer_line,
+)
+from agentfly_jax.rewards.math_answers import (
+    math_answers_equal,
+    math_match,
+    normalize_math_answer,
+    parse_number,
+)
+from agentfly_jax.rewards.qa import normalize_qa_answer, qa_exact_match, qa_f1, token_f1
+
+__all__ = [
+    "REWARD_REGISTRY",
+    "Reward",
+    "RewardBindingError",
+    "RewardResult",
+    "as_reward",
+    "extract_answer",
+    "extract_answer_tag",
+    "extract_boxed",
+    "extract_final_answer_line",
+    "math_answers_equal",
+    "math_match",
+    "normalize_math_answer",
+    "normalize_qa_answer",
+    "parse_number",
+    "qa_exact_match",
+    "qa_f1",
+    "reward",
+    "token_f1",
+]

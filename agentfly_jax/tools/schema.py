@@ -1,0 +1,329 @@
+"""JSON schemas for tools from Python signatures, type hints and Google-style docstrings; argument checks.
+
+A tool's schema is the OpenAI/Hugging Face function format that chat templates render into the system
+prompt: `{"type": "function", "function": {"name", "description", "parameters": {...}}}`. The
+`parameters` object is a small JSON-schema subset (string, integer, number, boolean, array, object,
+null, enum), which is also what `validate_arguments` checks model-written arguments against.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+# Docstring section headers; the description is the text before the first of them.
+_SECTION_HEADERS = (
+    "args",
+    "arguments",
+    "parameters",
+    "params",
+    "returns",
+    "return",
+    "raises",
+    "yields",
+    "examples",
+    "example",
+    "note",
+    "notes",
+)
+_SECTION_LINE = re.compile(r"^(\s*)([A-Za-z ]+):\s*$")
+_ARG_LINE = re.compile(r"^(\*{0,2}\w+)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
+
+_JSON_TYPE_NAMES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
+class ToolDefinitionError(TypeError):
+    """A function cannot be turned into a tool as written (raised at decoration time)."""
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """(description, {argument name: description}) from a Google-style docstring.
+
+    The description is everything before the first section header (`Args:`, `Returns:`, ...).
+    Argument lines look like `name (type): text` or `name: text`; indented lines continue the text.
+    """
+    if not doc:
+        return "", {}
+    lines = inspect.cleandoc(doc).splitlines()
+    description: list[str] = []
+    arguments: dict[str, str] = {}
+    section: str | None = None
+    section_indent = 0
+    current: str | None = None
+    entry_indent: int | None = None
+    for line in lines:
+        header = _SECTION_LINE.match(line)
+        indent = len(line) - len(line.lstrip())
+        if header and header.group(2).strip().lower() in _SECTION_HEADERS and (
+            section is None or indent <= section_indent
+        ):
+            section = header.group(2).strip().lower()
+            section_indent = indent
+            current, entry_indent = None, None
+            continue
+        if section is None:
+            description.append(line)
+            continue
+        if section not in ("args", "arguments", "parameters", "params") or not line.strip():
+            continue
+        if entry_indent is None:
+            entry_indent = indent
+        match = _ARG_LINE.match(line.strip())
+        if indent <= entry_indent and match:
+            current = match.group(1).lstrip("*")
+            arguments[current] = match.group(3).strip()
+        elif current is not None:
+            arguments[current] = (arguments[current] + " " + line.strip()).strip()
+    return "\n".join(description).strip(), arguments
+
+
+def json_schema_for_type(hint: Any, where: str) -> dict[str, Any]:
+    """The JSON schema of a Python type hint (str, int, float, bool, list[X], dict, Optional, Literal, Enum).
+
+    `where` names the parameter for error messages.
+    """
+    if hint is Any or hint is inspect.Parameter.empty:
+        return {}
+    if hint in _JSON_TYPE_NAMES:
+        return {"type": _JSON_TYPE_NAMES[hint]}
+    if inspect.isclass(hint) and issubclass(hint, enum.Enum):
+        values = [member.value for member in hint]
+        schema = _schema_of_values(values, where)
+        return schema
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Literal:
+        return _schema_of_values(list(args), where)
+    if origin in (typing.Union, types.UnionType):
+        non_null = [arg for arg in args if arg is not type(None)]
+        nullable = len(non_null) < len(args)
+        if len(non_null) == 1:
+            schema = dict(json_schema_for_type(non_null[0], where))
+        else:
+            schemas = [json_schema_for_type(arg, where) for arg in non_null]
+            if all(set(s) == {"type"} and isinstance(s["type"], str) for s in schemas):
+                schema = {"type": [s["type"] for s in schemas]}
+            else:
+                schema = {"anyOf": schemas}
+        if nullable:
+            schema["nullable"] = True
+        return schema
+    if hint in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset, Sequence):
+        schema: dict[str, Any] = {"type": "array"}
+        if args and not (origin is tuple and (len(args) != 2 or args[1] is not Ellipsis)):
+            schema["items"] = json_schema_for_type(args[0], where)
+        elif args and origin is tuple:
+            # A fixed-length tuple: every position must have the same type for a JSON schema here.
+            if len(set(args)) != 1:
+                raise ToolDefinitionError(
+                    f"{where}: tuple[{', '.join(map(_type_name, args))}] has mixed item types; "
+                    "use list[X] or a single item type"
+                )
+            schema["items"] = json_schema_for_type(args[0], where)
+        return schema
+    if hint in (dict, Mapping) or origin in (dict, Mapping):
+        schema = {"type": "object"}
+        if len(args) == 2 and args[1] is not Any:
+            schema["additionalProperties"] = json_schema_for_type(args[1], where)
+        return schema
+    raise ToolDefinitionError(
+        f"{where}: type hint {_type_name(hint)} has no JSON schema; use str, int, float, bool, list[...], "
+        "dict[str, ...], Optional[...], Literal[...] or an Enum"
+    )
+
+
+def _schema_of_values(values: list[Any], where: str) -> dict[str, Any]:
+    types_ = {_JSON_TYPE_NAMES.get(type(value)) for value in values}
+    if None in types_ or not values:
+        raise ToolDefinitionError(f"{where}: Literal/Enum values must be str, int, float or bool, got {values!r}")
+    schema: dict[str, Any] = {"enum": list(values)}
+    if len(types_) == 1:
+        schema["type"] = types_.pop()
+    return schema
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or repr(hint)
+
+
+def function_parameters(
+    func: Callable, *, injected: Sequence[str] = (), where: str
+) -> tuple[dict[str, Any], bool]:
+    """(JSON schema of the parameters the model fills in, whether **kwargs accepts extra arguments).
+
+    Parameters named in `injected` (e.g. `env`, `task`) and a leading `self`/`cls` are left out of the
+    schema. Every other parameter needs a type hint.
+    """
+    signature = inspect.signature(func)
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as error:  # unresolvable forward references
+        raise ToolDefinitionError(f"{where}: cannot resolve the type hints ({error})") from error
+    _, documented = parse_docstring(inspect.getdoc(func))
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    accepts_extra = False
+    for position, (name, parameter) in enumerate(signature.parameters.items()):
+        if position == 0 and name in ("self", "cls"):
+            continue
+        if name in injected:
+            continue
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            raise ToolDefinitionError(
+                f"{where}: *{name} cannot be filled from a JSON object of named arguments; "
+                "use named parameters"
+            )
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            accepts_extra = True
+            continue
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise ToolDefinitionError(
+                f"{where}: parameter '{name}' is positional-only; tools are called with named arguments"
+            )
+        if name not in hints:
+            raise ToolDefinitionError(
+                f"{where}: parameter '{name}' has no type hint; annotate it (e.g. `{name}: str`) so the "
+                "model sees its type"
+            )
+        schema = dict(json_schema_for_type(hints[name], f"{where}, parameter '{name}'"))
+        if documented.get(name):
+            schema["description"] = documented[name]
+        properties[name] = schema
+        if parameter.default is inspect.Parameter.empty:
+            required.append(name)
+    parameters: dict[str, Any] = {"type": "object", "properties": properties, "required": required}
+    return parameters, accepts_extra
+
+
+# --------------------------------------------------------------------------------------------------
+# Argument validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _type_label(schema: dict[str, Any]) -> str:
+    if "enum" in schema:
+        return "one of " + ", ".join(map(repr, schema["enum"]))
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return " or ".join(kind)
+    if kind == "array" and "items" in schema:
+        return f"array of {_type_label(schema['items'])}"
+    return kind or "any value"
+
+
+def coerce_value(value: Any, schema: dict[str, Any], path: str) -> Any:
+    """`value` checked against `schema` (and an integral float turned into int for integer fields).
+
+    Raises ValueError naming `path` and the expected type.
+    """
+    if value is None and schema.get("nullable"):
+        return None
+    if "enum" in schema:
+        if value not in schema["enum"] or isinstance(value, bool) != any(
+            isinstance(option, bool) for option in schema["enum"] if option == value
+        ):
+            raise ValueError(f"{path} must be {_type_label(schema)}, got {_describe(value)}")
+        return value
+    if "anyOf" in schema:
+        for option in schema["anyOf"]:
+            try:
+                return coerce_value(value, option, path)
+            except ValueError:
+                continue
+        raise ValueError(f"{path} has the wrong type: got {_describe(value)}")
+    kind = schema.get("type")
+    if kind is None:
+        return value
+    kinds = kind if isinstance(kind, list) else [kind]
+    for option in kinds:
+        converted = _as_json_type(value, option)
+        if converted is not _MISMATCH:
+            if option == "array" and "items" in schema:
+                return [coerce_value(item, schema["items"], f"{path}[{i}]") for i, item in enumerate(converted)]
+            if option == "object" and "additionalProperties" in schema:
+                return {
+                    key: coerce_value(item, schema["additionalProperties"], f"{path}[{key!r}]")
+                    for key, item in converted.items()
+                }
+            return converted
+    raise ValueError(f"{path} must be {_type_label(schema)}, got {_describe(value)}")
+
+
+_MISMATCH = object()
+
+
+def _as_json_type(value: Any, kind: str) -> Any:
+    if kind == "string":
+        return value if isinstance(value, str) else _MISMATCH
+    if kind == "boolean":
+        return value if isinstance(value, bool) else _MISMATCH
+    if kind == "integer":
+        if isinstance(value, bool):
+            return _MISMATCH
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return _MISMATCH
+    if kind == "number":
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else _MISMATCH
+    if kind == "array":
+        return value if isinstance(value, list) else _MISMATCH
+    if kind == "object":
+        return value if isinstance(value, dict) else _MISMATCH
+    if kind == "null":
+        return value if value is None else _MISMATCH
+    return value
+
+
+def validate_arguments(
+    tool_name: str, parameters: dict[str, Any], arguments: Mapping[str, Any], *, accepts_extra: bool = False
+) -> dict[str, Any]:
+    """Arguments checked against the tool's parameter schema; raises ValueError listing every problem."""
+    properties: dict[str, Any] = parameters.get("properties", {})
+    required = parameters.get("required", [])
+    problems: list[str] = []
+    checked: dict[str, Any] = {}
+    missing = [name for name in required if name not in arguments]
+    for name in missing:
+        problems.append(f"missing required argument '{name}' ({_type_label(properties[name])})")
+    unknown = [name for name in arguments if name not in properties]
+    if unknown and not accepts_extra:
+        problems.append(
+            f"unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+        )
+    for name, value in arguments.items():
+        if name not in properties:
+            if accepts_extra:
+                checked[name] = value
+            continue
+        try:
+            checked[name] = coerce_value(value, properties[name], f"argument '{name}'")
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        expected = ", ".join(
+            f"{name}: {_type_label(schema)}{'' if name in required else ' (optional)'}"
+            for name, schema in properties.items()
+        )
+        raise ValueError(
+            f"tool '{tool_name}' got bad arguments: {'; '.join(problems)}. "
+            f"Expected arguments: {expected or 'none'}"
+        )
+    return checked

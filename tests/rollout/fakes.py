@@ -1,0 +1,160 @@
+"""Fakes for rollout tests: a scripted generation backend and an in-memory environment provider.
+
+`FakeScriptedBackend` stands in for a model: it decodes the prompt it is given, asks a script function
+what the assistant says next, and returns that text as token ids of the real tokenizer followed by the
+stop token, after a configurable latency (asyncio.sleep, as a real engine's request would take).
+`FakeEnvProvider` implements the environment-provider interface (`acquire(pool, key)` -> async context
+manager) with in-memory environments and records every acquire and release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+
+ASSISTANT_HEADER = "<|im_start|>assistant"
+
+
+@dataclasses.dataclass(frozen=True)
+class FakePrompt:
+    """What the script sees for one generate call."""
+
+    text: str  # the decoded prompt
+    turn: int  # 0 for the first assistant turn of a chain, 1 for the next, ...
+    question: str  # the first user message's text (Qwen/ChatML prompts)
+
+
+def _question_of(text: str) -> str:
+    marker = "<|im_start|>user\n"
+    start = text.find(marker)
+    if start < 0:
+        return ""
+    start += len(marker)
+    end = text.find("<|im_end|>", start)
+    return text[start:end]
+
+
+def fake_logprob(position: int) -> float:
+    """The deterministic logprob the fake backend reports for the sampled token at `position`."""
+    return -0.05 - 0.01 * (position % 13)
+
+
+class FakeScriptedBackend(GenerationBackend):
+    """A GenerationBackend whose "model" is `script(FakePrompt) -> assistant text`.
+
+    latency_s: seconds each generate call takes (a float, or a function of the FakePrompt).
+    The returned ids are `tokenizer.encode(text) + [stop]`, truncated to max_tokens ("length") if longer.
+    Records every call (prompt ids, max_tokens, seed) and the peak number of calls in flight.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        script: Callable[[FakePrompt], str],
+        *,
+        latency_s: float | Callable[[FakePrompt], float] = 0.0,
+        stop_token: str = "<|im_end|>",
+    ):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.latency_s = latency_s
+        self.stop_id = tokenizer.convert_tokens_to_ids(stop_token)
+        self.calls: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.weight_version = 0
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop_token_ids: Sequence[int] = (),
+        n: int = 1,
+        seed: int | None = None,
+    ) -> list[Completion]:
+        text = self.tokenizer.decode(list(prompt_token_ids), skip_special_tokens=False)
+        prompt = FakePrompt(text=text, turn=text.count(ASSISTANT_HEADER) - 1, question=_question_of(text))
+        self.calls.append(
+            {"prompt_ids": list(prompt_token_ids), "max_tokens": max_tokens, "seed": seed, "turn": prompt.turn}
+        )
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            latency = self.latency_s(prompt) if callable(self.latency_s) else self.latency_s
+            if latency:
+                await asyncio.sleep(latency)
+            reply = self.script(prompt)
+        finally:
+            self.in_flight -= 1
+        ids = list(self.tokenizer.encode(reply, add_special_tokens=False)) + [self.stop_id]
+        finish_reason = "stop"
+        if len(ids) > max_tokens:
+            ids, finish_reason = ids[:max_tokens], "length"
+        logprobs = [fake_logprob(position) for position in range(len(ids))]
+        return [Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish_reason) for _ in range(n)]
+
+    async def update_weights(self, params: Any, version: int) -> None:
+        self.weight_version = version
+
+
+@dataclasses.dataclass
+class FakeEnv:
+    """An in-memory environment: remembers what was done in it (so state across turns is visible)."""
+
+    pool: str
+    key: str
+    history: list[str] = dataclasses.field(default_factory=list)
+    released: bool = False
+    task: dict | None = None
+
+
+class FakeEnvProvider:
+    """The environment-provider interface over in-memory FakeEnvs, counting acquires and releases.
+
+    acquire_delay_s / release_delay_s: awaited inside acquire and release (release awaits even while
+    its chain is being cancelled, like a real reset would). fail_pools: pools whose acquire raises.
+    """
+
+    def __init__(self, *, acquire_delay_s: float = 0.0, release_delay_s: float = 0.0, fail_pools=()):
+        self.acquire_delay_s = acquire_delay_s
+        self.release_delay_s = release_delay_s
+        self.fail_pools = set(fail_pools)
+        self.active: dict[tuple[str, str], FakeEnv] = {}
+        self.acquired: list[tuple[str, str]] = []
+        self.released: list[tuple[str, str]] = []
+        self.peak_active = 0
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, pool: str, key: str):
+        if pool in self.fail_pools:
+            raise RuntimeError(f"pool '{pool}' is full")
+        if (pool, key) in self.active:
+            raise AssertionError(f"{(pool, key)} acquired twice without a release")
+        await asyncio.sleep(self.acquire_delay_s)
+        env = FakeEnv(pool=pool, key=key)
+        self.active[(pool, key)] = env
+        self.acquired.append((pool, key))
+        self.peak_active = max(self.peak_active, len(self.active))
+        try:
+            yield env
+        finally:
+            await asyncio.sleep(self.release_delay_s)
+            env.released = True
+            del self.active[(pool, key)]
+            self.released.append((pool, key))
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One Hermes/Qwen `<tool_call>` block as a Qwen2.5 model writes it."""
+    import json
+
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
