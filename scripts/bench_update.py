@@ -66,8 +66,8 @@ def run_jax(args) -> dict:
     model = CausalLM(config)
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
-    state = create_train_state(params, optimizer)
-    loss_cfg = LossConfig(logprob_chunk=args.chunk)
+    state = create_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    loss_cfg = LossConfig(logprob_chunk=args.chunk or None)
     step = make_train_step(model, loss_cfg, optimizer)
 
     rng = np.random.default_rng(0)
@@ -78,20 +78,41 @@ def run_jax(args) -> dict:
     arrays = {"tokens": tokens, "action_mask": mask, "advantages": rng.normal(size=(b, t)).astype(np.float32) * mask,
               "old_logprobs": np.full((b, t), -11.0, np.float32) * mask}
     arrays["sampler_logprobs"] = arrays["old_logprobs"]
-    micro, _ = build_update_batch(arrays, np.full(b, t), agg="token-mean", row_len=t, micro_batches=args.micro)
+    seg = args.segments
+    if seg > 1:  # the same tokens as `seg` shorter sequences per row: exercises the segment-masked path
+        arrays = {k: v.reshape(b * seg, t // seg) for k, v in arrays.items()}
+        arrays["action_mask"][:, 0] = 0
+    micro, _ = build_update_batch(arrays, np.full(b * seg, t // seg), agg="token-mean", row_len=t,
+                                  micro_batches=args.micro)
     micro = jax.tree.map(jnp.asarray, micro)
     holder = {"state": state}
 
-    def one():
-        holder["state"], metrics = step(holder["state"], micro)
-        jax.block_until_ready(metrics["policy/loss"])
+    if args.mode == "forward":
+        from agentfly_jax.trainer import make_logprob_fn
+        fwd = make_logprob_fn(model, chunk=args.chunk or None)
+        first = jax.tree.map(lambda x: x[0], micro)
+
+        def one():
+            jax.block_until_ready(fwd(params, first))
+    elif args.mode == "grad":
+        from agentfly_jax.trainer.update import accumulate_gradients, policy_loss
+        grad_fn = jax.jit(lambda p, mb: accumulate_gradients(lambda q, b_: policy_loss(q, b_, model, loss_cfg),
+                                                             p, mb))
+
+        def one():
+            jax.block_until_ready(grad_fn(params, micro))
+    else:
+        def one():
+            holder["state"], metrics = step(holder["state"], micro)
+            jax.block_until_ready(metrics["policy/loss"])
 
     t0 = time.perf_counter()
     one()
     compile_s = time.perf_counter() - t0
     times = _timeit(one, args.steps, args.warmup)
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
-            "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, **_summary(args, times)}
+            "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, "mode": args.mode,
+            "segments": seg, "chunk": args.chunk, **_summary(args, times)}
 
 
 def run_torch(args) -> dict:
@@ -156,9 +177,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--fp32-params", action="store_true", help="ours: fp32 master params, bf16 compute")
-    p.add_argument("--attention", choices=["xla", "cudnn"], default="xla")
+    p.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto")
+    p.add_argument("--segments", type=int, default=1, help="ours: sequences packed per row (segment masks)")
+    p.add_argument("--mode", choices=["step", "grad", "forward"], default="step",
+                   help="ours: full step, gradients only, or forward log-probs only (time breakdown)")
     p.add_argument("--remat", action="store_true")
-    p.add_argument("--chunk", type=int, default=256, help="positions per fp32 logits chunk")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="ours: positions per fp32 logits chunk (0: whole sequence at once, fastest when it fits)")
     p.add_argument("--micro", type=int, default=1, help="micro-batches per step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)

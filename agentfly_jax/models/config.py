@@ -61,7 +61,8 @@ class ModelConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: bool = False  # recompute layer activations in the backward pass (saves memory)
-    attention_impl: str = "xla"  # "xla" (einsum, fp32 softmax) or "cudnn" (fused; GPU only)
+    # "auto": cuDNN fused attention on GPU in bf16/fp16, else "xla" (einsum, fp32 softmax, exact in fp32)
+    attention_impl: str = "auto"
     extra: dict = dataclasses.field(default_factory=dict)  # HF config keys carried through unchanged
 
     def __post_init__(self):
@@ -76,8 +77,8 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {_ROPE_TYPES}")
-        if self.attention_impl not in ("xla", "cudnn"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'xla' or 'cudnn'")
+        if self.attention_impl not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'auto', 'xla' or 'cudnn'")
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
 

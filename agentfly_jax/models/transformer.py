@@ -79,11 +79,19 @@ def attention_mask(segment_ids, query_len: int | None = None):
     return causal[None] & same
 
 
+def resolve_attention_impl(impl: str, dtype) -> str:
+    """"auto" picks cuDNN's fused attention on GPU for 16-bit compute, else the einsum path."""
+    if impl != "auto":
+        return impl
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
 def dot_product_attention(q, k, v, mask, impl: str = "xla"):
     """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] bool or None (= causal) -> [B,T,H,D]."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
-    if impl == "cudnn":
+    if resolve_attention_impl(impl, q.dtype) == "cudnn":
         return jax.nn.dot_product_attention(
             q, k, v, mask=None if mask is None else mask[:, None], is_causal=mask is None, implementation="cudnn")
     if mask is None:
