@@ -1,4 +1,5 @@
 """Generation backends behind one async interface (`GenerationBackend`)."""
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+from agentfly_jax.rollout.backends.jax_sampler import JaxSampler
 
-__all__ = ["Completion", "GenerationBackend"]
+__all__ = ["Completion", "GenerationBackend", "JaxSampler"]

@@ -20,11 +20,14 @@ class Completion:
     logprobs: log-probability of each sampled id under the distribution it was sampled from (after
       temperature; before top-p/top-k truncation is the trainer's convention, see the backend's docs).
     finish_reason: "stop" (a stop token), "length" (max_tokens or the context limit) or "abort".
+    weight_version: the backend's `weight_version` when the completion's first token was sampled (None when the
+      backend does not know it).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    weight_version: int | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):

@@ -1,0 +1,500 @@
+"""JaxSampler: the embedded generation engine, continuous batching over a fixed set of KV-cache slots.
+
+    model, params = load_pretrained(path)
+    sampler = JaxSampler(model, params, max_slots=64, max_len=2048)
+    [completion] = await sampler.generate(prompt_ids, max_tokens=256, temperature=1.0, stop_token_ids=[eos])
+
+How it runs. Every sampled sequence occupies one of `max_slots` rows of a preallocated KV cache. A background
+asyncio task (started by the first `generate`) repeats: admit waiting sequences into free slots (one batched
+prompt pass per prompt-length bucket, its KV copied into each of the prompt's `n` slots), then dispatch one
+jitted decode call that advances every occupied slot by `steps_per_call` tokens. Sequences join and leave
+between calls; a finished sequence's slot is free for the next call. The next call is dispatched before the
+previous one's tokens are read back, so host bookkeeping overlaps device work, and reading back happens in a
+worker thread so the event loop keeps serving agents and tools meanwhile.
+
+Shapes are bucketed so XLA compiles a handful of programs: prompt passes per prompt-length bucket (powers of
+two), decode calls per attention-window bucket (the cache prefix long enough for every occupied slot, powers of
+two) and per whether any slot uses top-p/top-k. `compile_counts` tells how many were traced.
+
+Sampling and logprobs. Logits are scaled by 1/temperature; top-k, then top-p (on the top-k renormalised
+distribution) restrict the candidates; the token is drawn with the Gumbel-max trick from a per-sequence key
+derived from (seed, sample index, token index), so a seeded request gives the same tokens whatever else is in
+the batch. The logprob returned for each token is log_softmax(logits / temperature) at that token, taken BEFORE
+top-p/top-k truncation: exactly what the trainer recomputes (`token_logprobs(..., temperature=T)`), so the
+importance ratio trainer/sampler is 1 on-policy. (vLLM returns the truncated, renormalised logprob instead when
+top-p/top-k are active; see VLLMBackend.) temperature=0 means greedy; its logprobs are at temperature 1.
+
+Weights. `update_weights(params, version)` swaps the parameter tree between two decode calls; the jitted
+programs take params as an argument, so same shapes and dtypes mean no recompilation. A sequence in flight
+continues on the new weights; each Completion records the version that sampled its first token.
+Runs on one device (the first, or `device=`).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentfly_jax.models import decode
+from agentfly_jax.models.transformer import CausalLM
+from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+
+log = logging.getLogger(__name__)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from `lo` up to the first >= hi, capped at `hi` (which is always included)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def _bucket(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def filter_top_k_top_p(scaled, top_k, top_p):
+    """Masks (to -inf) tokens outside top-k, then outside top-p of the renormalised top-k distribution.
+
+    scaled [B, V] fp32 (logits / temperature); top_k [B] int (<= 0: off); top_p [B] float (1: off). The most
+    likely token is always kept; tokens tied with the last kept one are kept too.
+    """
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+    ranks = jnp.arange(vocab)[None]
+    in_top_k = (top_k[:, None] <= 0) | (ranks < top_k[:, None])  # [B, V] over sorted positions
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability mass strictly above each sorted position
+    keep = in_top_k & ((before < top_p[:, None]) | (ranks == 0))
+    num_kept = jnp.sum(keep, axis=-1)  # [B] >= 1
+    threshold = jnp.take_along_axis(sorted_desc, (num_kept - 1)[:, None], axis=-1)  # [B, 1]
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample_tokens(logits, cfg, count, *, filtered: bool):
+    """(tokens [B], logprobs [B]) for one decode step. logits [B, V]; cfg: per-slot sampling arrays; count [B]:
+    tokens each slot has sampled so far (the step index of its random stream)."""
+    logits = logits.astype(jnp.float32)
+    greedy = cfg["temperature"] <= 0
+    scaled = logits / jnp.where(greedy, 1.0, cfg["temperature"])[:, None]  # [B, V]
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)  # the trainer's distribution: before truncation
+    candidates = filter_top_k_top_p(scaled, cfg["top_k"], cfg["top_p"]) if filtered else scaled
+
+    def noise(seed, sample_index, step):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), step)
+        return jax.random.gumbel(key, scaled.shape[-1:], jnp.float32)
+
+    gumbel = jax.vmap(noise)(cfg["seed"], cfg["sample_index"], count)  # [B, V]
+    sampled = jnp.argmax(candidates + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, token_logprobs
+
+
+# ------------------------------------------------------------------------------------------------ requests
+@dataclasses.dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    n: int
+    budget: int  # max new tokens: min(max_tokens, max_len - len(prompt))
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_ids: frozenset
+    seed: int
+    future: asyncio.Future
+    tokens: list = dataclasses.field(default_factory=list)  # per sample
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    remaining: int = 0  # samples not finished
+
+    def __post_init__(self):
+        self.tokens = [[] for _ in range(self.n)]
+        self.logprobs = [[] for _ in range(self.n)]
+        self.finish = [None] * self.n
+        self.versions = [None] * self.n
+        self.remaining = self.n
+
+    @property
+    def dead(self) -> bool:
+        return self.future.done()  # cancelled by the caller (or already answered)
+
+
+class JaxSampler(GenerationBackend):
+    """Embedded continuous-batching sampler for a `CausalLM` and its params (`load_pretrained` output).
+
+    Options:
+      max_slots: sequences decoded together (the decode batch); more wait for a free slot.
+      max_len: tokens per sequence, prompt included (default min(max_position_embeddings, 2048)).
+      steps_per_call: decode steps per jitted call (fewer host round trips; a finished sequence idles at most
+        this many steps before its slot is reused).
+      prefill_tokens: prompt tokens per batched prompt pass (rows = prefill_tokens // bucket length, <= 16).
+      min_bucket: the smallest prompt / attention-window bucket.
+      max_stop_tokens: stop ids a request may give (a static shape).
+      cache_dtype: KV cache dtype (default: the model's compute dtype).
+      seed: seeds requests that give none (each then gets a fresh draw from this generator).
+      device: the jax device to run on (default: the first).
+    """
+
+    def __init__(self, model: CausalLM, params, *, max_slots: int = 64, max_len: int | None = None,
+                 steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
+                 max_stop_tokens: int = 8, cache_dtype=None, seed: int = 0, device=None):
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM, got {type(model).__name__}")
+        config = model.config
+        self.model = model
+        self.max_slots = int(max_slots)
+        self.max_len = int(max_len or min(config.max_position_embeddings, 2048))
+        self.steps_per_call = int(steps_per_call)
+        self.max_stop_tokens = int(max_stop_tokens)
+        if self.max_slots < 1 or self.max_len < 2 or self.steps_per_call < 1 or min_bucket < 1:
+            raise ValueError(f"JaxSampler needs max_slots >= 1, max_len >= 2, steps_per_call >= 1, min_bucket >= 1;"
+                             f" got {max_slots}, {max_len}, {steps_per_call}, {min_bucket}")
+        self.device = device or jax.devices()[0]
+        self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
+        self.prefill_tokens = int(prefill_tokens)
+        self.weight_version = 0
+        self.compile_counts: collections.Counter = collections.Counter()
+        self.stats = collections.Counter()  # decode_calls, decode_steps, prefill_calls, tokens, ...
+        self._params = self._place_params(params, reference=None)
+        self._rng = np.random.default_rng(seed)
+        cache_dtype = cache_dtype or config.dtype
+
+        b = self.max_slots
+        with jax.default_device(self.device):
+            self._cache = decode.init_cache(config, b, self.max_len, cache_dtype)
+            self._state = {"tokens": jnp.zeros(b, jnp.int32), "positions": jnp.zeros(b, jnp.int32),
+                           "count": jnp.zeros(b, jnp.int32), "done": jnp.ones(b, bool)}
+        # Per-slot sampling settings, kept on the host and uploaded when they change.
+        self._cfg = {"temperature": np.zeros(b, np.float32), "top_p": np.ones(b, np.float32),
+                     "top_k": np.zeros(b, np.int32), "stops": np.full((b, self.max_stop_tokens), -1, np.int32),
+                     "budget": np.zeros(b, np.int32), "seed": np.zeros(b, np.uint32),
+                     "sample_index": np.zeros(b, np.int32), "alive": np.zeros(b, bool)}
+        self._cfg_device = None
+        self._owners: list[tuple[_Request, int] | None] = [None] * b
+        self._pos_bound = np.zeros(b, np.int64)  # upper bound on each slot's device position
+        self._waiting: collections.deque[tuple[_Request, int]] = collections.deque()
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._build_programs()
+
+    # ---------------------------------------------------------------------------------------- jitted programs
+    def _build_programs(self):
+        model, counts, max_len = self.model, self.compile_counts, self.max_len
+
+        def prefill(params, tokens):  # tokens [P, T]
+            counts["prefill"] += 1  # runs only while tracing: one per compiled shape
+            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype)
+            return prompt_cache
+
+        def insert(cache, state, prompt_cache, row, slot, last_token, position):
+            counts["insert"] += 1
+            cache = decode.copy_into(cache, prompt_cache, row, slot)
+            state = {"tokens": state["tokens"].at[slot].set(last_token),
+                     "positions": state["positions"].at[slot].set(position),
+                     "count": state["count"].at[slot].set(0), "done": state["done"].at[slot].set(False)}
+            return cache, state
+
+        def decode_call(params, cache, state, cfg, kv_len, filtered, steps):
+            counts["decode"] += 1
+
+            def step(carry, _):
+                cache, st = carry
+                active = cfg["alive"] & ~st["done"]  # [B]
+                logits, cache = decode.decode_step(model, params, cache, st["tokens"], st["positions"],
+                                                   kv_len=kv_len)
+                tokens, logprobs = sample_tokens(logits, cfg, st["count"], filtered=filtered)
+                count = st["count"] + active.astype(jnp.int32)
+                stopped = jnp.any(cfg["stops"] == tokens[:, None], axis=-1)
+                done = st["done"] | (active & (stopped | (count >= cfg["budget"])))
+                st = {"tokens": jnp.where(active, tokens, st["tokens"]),
+                      "positions": jnp.minimum(st["positions"] + active.astype(jnp.int32), max_len - 1),
+                      "count": count, "done": done}
+                return (cache, st), (tokens, logprobs, active)
+
+            (cache, state), (tokens, logprobs, valid) = jax.lax.scan(step, (cache, state), None, length=steps)
+            return cache, state, {"tokens": tokens, "logprobs": logprobs, "valid": valid}  # each [steps, B]
+
+        self._prefill = jax.jit(prefill)
+        self._insert = jax.jit(insert, donate_argnums=(0, 1))
+        self._decode = jax.jit(decode_call, static_argnums=(4, 5, 6), donate_argnums=(1, 2))
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs traced so far (prompt passes, slot inserts and decode calls)."""
+        return sum(self.compile_counts.values())
+
+    # ---------------------------------------------------------------------------------------- public API
+    async def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (), n: int = 1,
+                       seed: int | None = None) -> list[Completion]:
+        """Samples `n` continuations; see the module docstring for the sampling and logprob conventions."""
+        request = self._make_request(prompt_token_ids, max_tokens, temperature, top_p, top_k, stop_token_ids,
+                                     n, seed)
+        self._ensure_running()
+        self._waiting.extend((request, i) for i in range(request.n))
+        self._wakeup.set()
+        return await request.future
+
+    async def update_weights(self, params, version: int) -> None:
+        """Serves `params` from the next decode call on (same tree, shapes and dtypes: no recompilation)."""
+        self._params = self._place_params(params, reference=self._params)
+        self.weight_version = int(version)
+        self.stats["weight_updates"] += 1
+
+    async def health(self) -> dict:
+        return {"ok": self._failure is None and not self._closed, "weight_version": self.weight_version,
+                "active_slots": int(self._cfg["alive"].sum()), "waiting": len(self._waiting),
+                "compiles": dict(self.compile_counts),
+                **({"error": repr(self._failure)} if self._failure else {})}
+
+    async def close(self) -> None:
+        """Stops the decode loop; requests still running get their tokens so far with finish_reason 'abort'."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._abort_all("abort")
+
+    # ---------------------------------------------------------------------------------------- requests
+    def _make_request(self, prompt, max_tokens, temperature, top_p, top_k, stop_ids, n, seed) -> _Request:
+        if self._closed:
+            raise RuntimeError("JaxSampler is closed")
+        if self._failure is not None:
+            raise RuntimeError(f"JaxSampler's decode loop failed earlier: {self._failure!r}") from self._failure
+        prompt = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; a prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got min {min(prompt)}, max {max(prompt)}")
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={self.max_len}; "
+                             "shorten it or build the sampler with a larger max_len")
+        if max_tokens < 1 or n < 1:
+            raise ValueError(f"max_tokens and n must be >= 1, got max_tokens={max_tokens}, n={n}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        stop_ids = frozenset(int(t) for t in stop_ids)
+        if len(stop_ids) > self.max_stop_tokens:
+            raise ValueError(f"{len(stop_ids)} stop token ids given; this sampler allows {self.max_stop_tokens} "
+                             "(option max_stop_tokens)")
+        if seed is None:
+            seed = int(self._rng.integers(0, 2 ** 32))
+        return _Request(prompt=prompt, n=int(n), budget=min(int(max_tokens), self.max_len - len(prompt)),
+                        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), stop_ids=stop_ids,
+                        seed=int(seed) % 2 ** 32, future=asyncio.get_running_loop().create_future())
+
+    def _place_params(self, params, reference):
+        """Params on the sampler's device; with a reference tree, checks structure/shapes and casts dtypes."""
+        if reference is not None:
+            ref_flat, ref_tree = jax.tree.flatten(reference)
+            new_flat, new_tree = jax.tree.flatten(params)
+            if ref_tree != new_tree:
+                raise ValueError("update_weights got a param tree of a different structure than the sampler's")
+            for path_ref, new in zip(jax.tree_util.tree_leaves_with_path(reference), new_flat):
+                path, ref = path_ref
+                if tuple(ref.shape) != tuple(new.shape):
+                    raise ValueError(f"update_weights: param {jax.tree_util.keystr(path)} has shape "
+                                     f"{tuple(new.shape)}, the sampler's has {tuple(ref.shape)}")
+            params = jax.tree.map(lambda new, ref: jnp.asarray(new, dtype=ref.dtype), params, reference)
+        return jax.device_put(params, self.device)
+
+    # ---------------------------------------------------------------------------------------- the decode loop
+    def _ensure_running(self):
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._task.get_loop() is loop and not self._task.done():
+            return
+        if self._task is not None and self._task.get_loop() is not loop:
+            if not self._task.get_loop().is_closed():
+                raise RuntimeError("JaxSampler is already serving another running event loop")
+            log.warning("JaxSampler: the event loop of its decode task is gone; dropping its requests")
+            self._abort_all("abort")
+        self._wakeup = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="JaxSampler.decode_loop")
+
+    async def _run(self):
+        pending = None  # (outputs, owners) of the decode call dispatched last, not yet read back
+        try:
+            while True:
+                self._admit()
+                dispatched = self._dispatch() if self._cfg["alive"].any() else None
+                if pending is not None:
+                    outputs = await asyncio.to_thread(jax.device_get, pending[0])
+                    self._collect(outputs, pending[1])
+                pending = dispatched
+                if pending is None and not self._waiting:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every waiting caller must learn about it
+            log.exception("JaxSampler decode loop failed")
+            self._failure = exc
+            self._abort_all(exc)
+
+    def _free_slots(self) -> list[int]:
+        return [s for s, owner in enumerate(self._owners) if owner is None]
+
+    def _release_dead(self):
+        for slot, owner in enumerate(self._owners):
+            if owner is not None and owner[0].dead:
+                self._release(slot)
+        while self._waiting and self._waiting[0][0].dead:
+            self._waiting.popleft()
+
+    def _release(self, slot: int):
+        self._owners[slot] = None
+        self._cfg["alive"][slot] = False
+        self._cfg_device = None
+
+    def _admit(self):
+        """Moves waiting sequences into free slots: one batched prompt pass per length bucket, then a KV copy
+        into each sequence's slot."""
+        self._release_dead()
+        free = self._free_slots()
+        if not free or not self._waiting:
+            return
+        admitted: list[tuple[_Request, int, int]] = []
+        while free and self._waiting:
+            request, sample = self._waiting.popleft()
+            if not request.dead:
+                admitted.append((request, sample, free.pop(0)))
+        by_prompt: dict[int, list] = {}
+        for request, sample, slot in admitted:
+            by_prompt.setdefault(id(request), []).append((request, sample, slot))
+        groups = sorted(by_prompt.values(), key=lambda g: len(g[0][0].prompt))
+        by_bucket: dict[int, list] = {}
+        for group in groups:
+            # The prompt pass covers all but the last prompt token; the first decode step feeds that one.
+            prefix = max(len(group[0][0].prompt) - 1, 1)
+            by_bucket.setdefault(_bucket(self.buckets, prefix), []).append(group)
+        for length, bucket_groups in by_bucket.items():
+            rows = max(1, min(16, self.prefill_tokens // length))
+            rows = 1 << (rows.bit_length() - 1)  # a power of two: one compiled shape per bucket
+            for start in range(0, len(bucket_groups), rows):
+                self._prefill_and_insert(bucket_groups[start:start + rows], length, rows)
+
+    def _prefill_and_insert(self, groups, length: int, rows: int):
+        tokens = np.zeros((rows, length), np.int32)
+        for r, group in enumerate(groups):
+            prefix = group[0][0].prompt[:-1]
+            tokens[r, :len(prefix)] = prefix
+        prompt_cache = self._prefill(self._params, jax.device_put(tokens, self.device))
+        self.stats["prefill_calls"] += 1
+        for r, group in enumerate(groups):
+            for request, sample, slot in group:
+                prompt = request.prompt
+                self._cache, self._state = self._insert(self._cache, self._state, prompt_cache, np.int32(r),
+                                                        np.int32(slot), np.int32(prompt[-1]),
+                                                        np.int32(len(prompt) - 1))
+                self._assign(slot, request, sample)
+
+    def _assign(self, slot: int, request: _Request, sample: int):
+        cfg = self._cfg
+        cfg["temperature"][slot] = request.temperature
+        cfg["top_p"][slot] = request.top_p
+        cfg["top_k"][slot] = request.top_k
+        cfg["stops"][slot] = -1
+        cfg["stops"][slot, :len(request.stop_ids)] = sorted(request.stop_ids)
+        cfg["budget"][slot] = request.budget
+        cfg["seed"][slot] = request.seed
+        cfg["sample_index"][slot] = sample
+        cfg["alive"][slot] = True
+        self._cfg_device = None
+        self._owners[slot] = (request, sample)
+        self._pos_bound[slot] = len(request.prompt) - 1
+        request.versions[sample] = self.weight_version
+
+    def _dispatch(self):
+        """Queues one decode call (steps_per_call steps) on the device; returns (outputs, owners snapshot)."""
+        alive = self._cfg["alive"]
+        steps = self.steps_per_call
+        need = int(self._pos_bound[alive].max()) + steps  # every position this call may touch is < need
+        kv_len = _bucket(self.buckets, min(need, self.max_len))
+        filtered = bool(((self._cfg["top_p"] < 1.0) | (self._cfg["top_k"] > 0))[alive].any())
+        if self._cfg_device is None:
+            self._cfg_device = jax.device_put(self._cfg, self.device)
+        self._cache, self._state, outputs = self._decode(self._params, self._cache, self._state, self._cfg_device,
+                                                         kv_len, filtered, steps)
+        self._pos_bound[alive] = np.minimum(self._pos_bound[alive] + steps, self.max_len - 1)
+        self.stats["decode_calls"] += 1
+        self.stats["decode_steps"] += steps
+        return outputs, list(self._owners)
+
+    def _collect(self, outputs, owners):
+        """Hands each slot's new tokens to its request; answers requests whose samples all finished."""
+        tokens, logprobs, valid = outputs["tokens"], outputs["logprobs"], outputs["valid"]  # [steps, B]
+        for slot in np.flatnonzero(valid.any(axis=0)):
+            owner = owners[slot]
+            if owner is None:
+                continue
+            request, sample = owner
+            if request.finish[sample] is not None:
+                raise AssertionError(f"slot {slot} produced tokens after its sequence finished")
+            out_tokens, out_logprobs = request.tokens[sample], request.logprobs[sample]
+            for step in np.flatnonzero(valid[:, slot]):
+                if request.finish[sample] is not None:
+                    raise AssertionError(f"slot {slot} produced tokens after its sequence finished")
+                token = int(tokens[step, slot])
+                out_tokens.append(token)
+                out_logprobs.append(float(logprobs[step, slot]))
+                if token in request.stop_ids:
+                    request.finish[sample] = "stop"
+                elif len(out_tokens) >= request.budget:
+                    request.finish[sample] = "length"
+            self.stats["tokens"] += int(valid[:, slot].sum())
+            if request.finish[sample] is not None:
+                if self._owners[slot] is owner:
+                    self._release(slot)
+                request.remaining -= 1
+                if request.remaining == 0 and not request.future.done():
+                    request.future.set_result(self._completions(request))
+
+    @staticmethod
+    def _completions(request: _Request, default_finish: str = "abort") -> list[Completion]:
+        return [Completion(token_ids=list(request.tokens[i]), logprobs=list(request.logprobs[i]),
+                           finish_reason=request.finish[i] or default_finish, weight_version=request.versions[i])
+                for i in range(request.n)]
+
+    def _abort_all(self, reason):
+        """Answers every open request: partial completions ('abort') or, given an exception, that error."""
+        requests = {id(o[0]): o[0] for o in self._owners if o is not None}
+        requests.update({id(r): r for r, _ in self._waiting})
+        for request in requests.values():
+            if request.future.done() or request.future.get_loop().is_closed():
+                continue
+            if isinstance(reason, BaseException):
+                request.future.set_exception(RuntimeError(f"JaxSampler decode loop failed: {reason!r}"))
+            else:
+                request.future.set_result(self._completions(request))
+        self._waiting.clear()
+        for slot in range(self.max_slots):
+            self._release(slot)
+
+
+__all__ = ["JaxSampler", "filter_top_k_top_p", "sample_tokens"]
