@@ -32,7 +32,7 @@ ENV_PARAMETER = "env"
 _RUNTIME_PARAMETERS = (PREDICTION_PARAMETER, TRAJECTORY_PARAMETER, TASK_PARAMETER, ENV_PARAMETER)
 
 #: Rewards by name, filled by `@reward`.
-REWARD_REGISTRY: dict[str, "Reward"] = {}
+REWARD_REGISTRY: dict[str, Reward] = {}
 
 
 class RewardBindingError(ValueError):

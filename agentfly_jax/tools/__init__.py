@@ -17,10 +17,10 @@ from agentfly_jax.tools.schema import ToolDefinitionError, parse_docstring, vali
 __all__ = [
     "DEFAULT_MAX_OBSERVATION_CHARS",
     "DEFAULT_TOOL_TIMEOUT_S",
-    "EnvironmentProvider",
-    "EnvironmentUnavailableError",
     "TOOL_ERROR_KINDS",
     "TOOL_REGISTRY",
+    "EnvironmentProvider",
+    "EnvironmentUnavailableError",
     "Tool",
     "ToolContext",
     "ToolDefinitionError",

@@ -48,7 +48,7 @@ MAX_INTEGER_DIGITS = 4_300
 _MAX_BITS = int(MAX_INTEGER_DIGITS * 3.33)
 
 
-def _check_size(value: float | int) -> float | int:
+def _check_size(value: float) -> float | int:
     if isinstance(value, complex):
         raise ValueError("the result is not a real number")
     if isinstance(value, int) and abs(value).bit_length() > _MAX_BITS:
@@ -99,7 +99,7 @@ def evaluate_arithmetic(expression: str) -> float | int:
     return _evaluate(tree)
 
 
-def format_number(value: float | int) -> str:
+def format_number(value: float) -> str:
     """Integers as integers, integral floats without '.0', other floats with up to 12 significant digits."""
     if isinstance(value, float):
         if math.isinf(value) or math.isnan(value):

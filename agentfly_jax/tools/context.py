@@ -95,13 +95,26 @@ class ToolContext:
             return env
 
     async def aclose(self) -> None:
-        """Release every environment this chain acquired (in reverse order); idempotent."""
+        """Release every environment this chain acquired (in reverse order); idempotent.
+
+        The release runs to completion even if the caller is cancelled (again) meanwhile; the
+        cancellation is re-raised once everything is released.
+        """
         self._closed = True
         self._envs.clear()
-        await self._stack.aclose()
+        closing = asyncio.ensure_future(self._stack.aclose())
+        cancelled = False
+        while not closing.done():
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:
+                cancelled = True
+        closing.result()  # re-raises a failure of the release itself
+        if cancelled:
+            raise asyncio.CancelledError()
 
-    async def __aenter__(self) -> "ToolContext":
+    async def __aenter__(self) -> ToolContext:
         return self
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()

@@ -15,7 +15,7 @@ ENV_PARAMETER = "env"
 TASK_PARAMETER = "task"
 
 #: Tools by name, filled by `@tool` on plain functions (methods are bound per instance, so not registered).
-TOOL_REGISTRY: dict[str, "Tool"] = {}
+TOOL_REGISTRY: dict[str, Tool] = {}
 
 
 class Tool:
@@ -95,7 +95,7 @@ class Tool:
             },
         }
 
-    def with_options(self, **options: Any) -> "Tool":
+    def with_options(self, **options: Any) -> Tool:
         """A copy with runtime options replaced (`timeout`, `max_observation_chars`), e.g. from a config."""
         unknown = set(options) - {"timeout", "max_observation_chars"}
         if unknown:
@@ -110,7 +110,7 @@ class Tool:
             setattr(clone, key, value)
         return clone
 
-    def __get__(self, instance: Any, owner: type | None = None) -> "Tool":
+    def __get__(self, instance: Any, owner: type | None = None) -> Tool:
         # Accessed through an instance, a method tool binds to it (like a function becomes a method).
         if instance is None or not self.is_method:
             return self

@@ -313,7 +313,7 @@ async def execute_tool_calls(
 ) -> list[ToolResult]:
     """Run several calls, concurrently by default (results in call order); see `execute_tool_call`."""
     table = as_tool_table(tools)
-    options = dict(timeout=timeout, max_observation_chars=max_observation_chars, context=context)
+    options = {"timeout": timeout, "max_observation_chars": max_observation_chars, "context": context}
     if not parallel:
         return [await execute_tool_call(call, table, **options) for call in calls]
     return list(await asyncio.gather(*(execute_tool_call(call, table, **options) for call in calls)))

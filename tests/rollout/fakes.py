@@ -115,6 +115,12 @@ class FakeEnv:
     history: list[str] = dataclasses.field(default_factory=list)
     released: bool = False
     task: dict | None = None
+    resets: int = 0
+
+    async def reset(self, task: dict | None = None) -> str:
+        """Starts an episode for `task` (the agent calls this once after acquiring)."""
+        self.task, self.resets = task, self.resets + 1
+        return "ready"
 
 
 class FakeEnvProvider:

@@ -128,8 +128,10 @@ def test_bad_json():
         ('{"name": "add"}', "has no arguments"),
         ({"name": 3, "arguments": {}}, "a tool call is"),
         (
-            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
-            '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>',
+            (
+                '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+            ),
             "expected exactly one tool call, found 2",
         ),
     ],

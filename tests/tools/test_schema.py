@@ -1,7 +1,8 @@
 """@tool: schemas from signatures, type hints and docstrings; methods; definition errors; argument checks."""
 
 import enum
-from typing import Any, Literal, Optional
+import typing
+from typing import Any, Literal
 
 import pytest
 
@@ -20,7 +21,7 @@ async def lookup_weather(
     days: int,
     unit: Unit = Unit.CELSIUS,
     hourly: bool = False,
-    tags: Optional[list[str]] = None,
+    tags: list[str] | None = None,
     mode: Literal["fast", "exact"] = "fast",
     scale: float = 1.0,
 ) -> str:
@@ -214,3 +215,15 @@ def test_tool_table_rejects_two_tools_with_one_name():
 
     with pytest.raises(ValueError, match="two different tools are named 'same_name'"):
         as_tool_table([first, second])
+
+
+def test_type_hint_forms():
+    from agentfly_jax.tools.schema import json_schema_for_type
+
+    assert json_schema_for_type(typing.Optional[int], "x") == {"type": "integer", "nullable": True}
+    assert json_schema_for_type(typing.Union[int, str], "x") == {"type": ["integer", "string"]}
+    assert json_schema_for_type(dict[str, float], "x") == {"type": "object", "additionalProperties": {"type": "number"}}
+    assert json_schema_for_type(tuple[int, ...], "x") == {"type": "array", "items": {"type": "integer"}}
+    assert json_schema_for_type(Any, "x") == {}
+    with pytest.raises(ToolDefinitionError, match="mixed item types"):
+        json_schema_for_type(tuple[int, str], "x")
