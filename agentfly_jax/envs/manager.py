@@ -8,7 +8,8 @@
 
 - Acquiring a key that is already held returns the same instance (reference counted): a chain keeps its
   environment across turns, and every tool of that chain sees the same state.
-- On the final release the instance is reset and health-checked in the background; a healthy one goes back
+- On the final release the instance is reset and health-checked in the background (an instance that set
+  `retired = True` on itself is destroyed instead, e.g. a single-use container); a healthy one goes back
   to the idle stack (or straight to the longest waiter), an unhealthy or failing one is destroyed and
   replaced when someone needs it (or to keep `min_size` warm).
 - A full pool queues acquirers first come, first served, up to `acquire_timeout`; then `PoolTimeoutError`
@@ -200,7 +201,8 @@ class ResourceManager:
             pools = pools.to_dict()
         self._pools: dict[str, _Pool] = {}
         self._reap_interval = reap_interval
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # creations and recycles: cancelled by close()
+        self._destroys: set[asyncio.Task] = set()  # destructions: close() lets them finish
         self._reaper: asyncio.Task | None = None
         self._closed = False
         for name, config in (pools or {}).items():
@@ -242,7 +244,9 @@ class ResourceManager:
 
         in_use / idle / waiting / creating / recycling (reset + health check) / size: current numbers;
         created / destroyed / failures (factory, reset, health-check or close errors and timeouts) /
-        unhealthy (health check returned False) / timeouts (acquires that gave up) / acquires: totals;
+        unhealthy (health check returned False) / retired (instances that declared themselves used up with
+        `env.retired = True`, destroyed without a warning) / reaped (idle too long) / timeouts (acquires that
+        gave up) / acquires: totals;
         acquire_latency_s: mean / p50 / p99 / max seconds from acquire to instance, over recent acquires.
         """
         if pool is not None:
@@ -251,7 +255,8 @@ class ResourceManager:
 
     async def close(self) -> None:
         """Destroys every instance (idle, in use or being recycled) and fails pending acquires; idempotent."""
-        if self._closed and not self._tasks and not any(p.entries for p in self._pools.values()):
+        if self._closed and not self._tasks and not self._destroys and not any(
+                p.entries for p in self._pools.values()):
             return
         self._closed = True
         if self._reaper is not None:
@@ -268,6 +273,8 @@ class ResourceManager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        while self._destroys:  # each is bounded by its pool's close_timeout
+            await asyncio.gather(*list(self._destroys), return_exceptions=True)
         for pool in self._pools.values():
             pool.creating = 0  # creations cancelled before they started never decremented their reservation
             pool.idle.clear()
@@ -437,6 +444,10 @@ class ResourceManager:
         """Reset + health check after the final release; keep the instance or destroy and replace it."""
         config = pool.config
         env = entry.env
+        if getattr(env, "retired", False):  # single-use by its own choice: destroy without a warning
+            pool.counters["retired"] += 1
+            self._spawn_destroy(pool, entry)
+            return
         healthy = False
         try:
             if config.reset_on_release:
@@ -456,7 +467,7 @@ class ResourceManager:
             entry.last_used = time.monotonic()
             self._make_idle(pool, entry)
         else:
-            await self._destroy(pool, entry)
+            self._spawn_destroy(pool, entry)
 
     async def _destroy(self, pool: _Pool, entry: _Entry, refill: bool = True) -> None:
         if entry.destroyed:
@@ -519,6 +530,11 @@ class ResourceManager:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def _spawn_destroy(self, pool: _Pool, entry: _Entry) -> None:
+        task = asyncio.get_running_loop().create_task(self._destroy(pool, entry))
+        self._destroys.add(task)
+        task.add_done_callback(self._destroys.discard)
+
     def _ensure_reaper(self) -> None:
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
@@ -539,7 +555,7 @@ class ResourceManager:
                         pool.idle.remove(entry)
                         pool.counters["reaped"] += 1
                         removable -= 1
-                        self._spawn(self._destroy(pool, entry))
+                        self._spawn_destroy(pool, entry)
                 self._fill_min(pool)
 
     def _check_open(self) -> None:
@@ -566,6 +582,7 @@ class ResourceManager:
             "failures": c["failures"],
             "unhealthy": c["unhealthy"],
             "reaped": c["reaped"],
+            "retired": c["retired"],
             "timeouts": c["timeouts"],
             "acquires": c["acquires"],
             "acquire_latency_s": {

@@ -275,3 +275,16 @@ def test_config_from_dicts_and_import_paths():
         PoolConfig(factory="tests.envs.nope:Env")
     with pytest.raises(KeyError, match="unknown pool 'q'"):
         ResourceManager({"p": cfg}).acquire("q")
+
+
+def test_retired_instance_is_destroyed_quietly(caplog):
+    async def main():
+        async with ResourceManager({"p": {"factory": CountingEnv, "max_size": 1}}) as m:
+            async with m.acquire("p") as env:
+                env.retired = True  # e.g. a single-use container
+            metrics = await settle(m, "p", destroyed=1)
+            assert env.closed and env.resets == 0
+            assert (metrics["retired"], metrics["unhealthy"], metrics["failures"]) == (1, 0, 0)
+    with caplog.at_level("WARNING"):
+        run(main())
+    assert not caplog.records

@@ -53,15 +53,20 @@ def docker_address() -> str:
 
 
 class _Container:
-    """A pooled container, as a ResourceManager instance: healthy until marked broken."""
+    """A pooled container, as a ResourceManager instance; `retired` ones are destroyed on release."""
 
     def __init__(self, sandbox: "DockerSandbox", container_id: str):
         self.sandbox = sandbox
         self.id = container_id
-        self.broken = False
+        self.retired = False
 
-    def health(self) -> bool:
-        return not self.broken
+    async def health(self) -> bool:
+        """True while the container runs (its keeper may have died, e.g. killed for memory)."""
+        try:
+            state = await self.sandbox._call(self.sandbox._client.api.inspect_container, self.id)
+        except Exception:  # noqa: BLE001 - gone or daemon error: not healthy either way
+            return False
+        return bool(state["State"].get("Running"))
 
     async def reset(self) -> None:
         """Nothing to do: the one-shot wrapper cleans up, and session containers are never reused."""
@@ -164,7 +169,7 @@ class _DockerTransport(Transport):
         if self._terminated:
             return
         self._terminated = True
-        self.container.broken = True  # never reuse a session's container: its state and processes stay inside
+        self.container.retired = True  # never reuse a session's container: its state and processes stay inside
         self.stream.close()
         self.sandbox._spawn(self.lease.__aexit__(None, None, None))
 
@@ -295,12 +300,20 @@ class DockerSandbox:
         return _Container(self, await self._call(create))
 
     def _remove_sync(self, api, cid: str) -> None:
+        """Force-removes a container and waits until it is gone (another removal may be under way)."""
         import docker
 
-        try:
-            api.remove_container(cid, force=True)
-        except docker.errors.NotFound:
-            pass
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                api.remove_container(cid, force=True)
+                break
+            except docker.errors.NotFound:
+                break
+            except docker.errors.APIError as e:
+                if e.status_code != 409 or time.monotonic() > deadline:  # 409: removal already in progress
+                    raise
+                time.sleep(0.1)
         self._live.discard(cid)
 
     async def _remove(self, cid: str) -> None:
@@ -352,21 +365,21 @@ class DockerSandbox:
                         await asyncio.wait_for(self._pump(stream, out, err), timeout)
                     except asyncio.TimeoutError:
                         timed_out = True
-                        container.broken = True
+                        container.retired = True
                         notes.append(f"[sandbox] timed out after {timeout:g} s; the container and every "
                                      f"process in it were destroyed")
                     except _OutputFlood:
-                        container.broken = True
+                        container.retired = True
                         notes.append(f"[sandbox] output exceeded {self.limits.output_kill_bytes // MiB} MiB; "
                                      f"the container was destroyed")
                     finally:
                         stream.close()
-                    exit_code = 137 if container.broken else await self._exit_code(exec_id)
+                    exit_code = 137 if container.retired else await self._exit_code(exec_id)
                 except BaseException:
-                    container.broken = True  # cancelled or failed mid-run: its state is unknown
+                    container.retired = True  # cancelled or failed mid-run: its state is unknown
                     raise
                 if exit_code is None or exit_code == 137:
-                    container.broken = True  # killed (e.g. out of memory): do not trust the container
+                    container.retired = True  # killed (e.g. out of memory): do not trust the container
                     exit_code = 137 if exit_code is None else exit_code
                 elapsed = time.monotonic() - start
         except (EnvironmentCreationError, PoolTimeoutError) as e:
@@ -397,7 +410,7 @@ class DockerSandbox:
             command = ["python3", "-I", "-c", INSIDE_SOURCE, "session", self.limits.rlimits_json(nproc=False)]
             exec_id, stream = await self._exec(container, command, stdin=True)
         except BaseException:
-            container.broken = True
+            container.retired = True
             await lease.__aexit__(None, None, None)
             raise
         max_line = 16 * self.limits.max_output_bytes + (1 << 20)
@@ -411,20 +424,24 @@ class DockerSandbox:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         await self.pool.close()
-        for cid in list(self._live):  # created but never handed to the pool (cancelled creation)
-            await self._remove(cid)
-        self._executor.shutdown(wait=False)
+        # A creation cancelled by the close goes on in its thread: wait for it, then remove what it made.
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        if self._live:
+            await asyncio.to_thread(self._remove_all_sync)
+
+    def _remove_all_sync(self) -> None:
+        for cid in list(self._live):
+            try:
+                self._remove_sync(self._client.api, cid)
+            except Exception as e:  # noqa: BLE001 - best effort; reported
+                log.warning("could not remove sandbox container %s: %r", cid[:12], e)
 
     def close_sync(self) -> None:
         """Removes this sandbox's containers without an event loop (at exit, or after the loop closed)."""
         self._closed = True
+        self._executor.shutdown(wait=True)
         if self._client is not None:
-            for cid in list(self._live):
-                try:
-                    self._remove_sync(self._client.api, cid)
-                except Exception as e:  # noqa: BLE001 - best effort at exit
-                    log.warning("could not remove sandbox container %s: %r", cid[:12], e)
-        self._executor.shutdown(wait=False)
+            self._remove_all_sync()
 
     def live_containers(self) -> list[str]:
         """Ids of this sandbox's containers that still exist."""
