@@ -249,13 +249,16 @@ async def _chain_turns(
             raise RuntimeError("the backend returned a non-finite logprob for a sampled token")
         if completion.finish_reason == "abort":
             raise RuntimeError("the backend aborted the request")
-        encoder.append_assistant(sampled)
+        state.last_text = agent.decode_turn(sampled)
+        encoder.append_assistant(sampled, {"role": "assistant", "content": state.last_text})
         state.logprobs.extend(float(logprob) for logprob in completion.logprobs)
-        state.policy_versions.append(version)
+        # The version that sampled the turn's first token when the backend reports it, else the one served
+        # when the request went out.
+        reported = getattr(completion, "weight_version", None)
+        state.policy_versions.append(int(reported) if reported is not None else version)
         state.num_turns += 1
         stats.turns += 1
         progress.changed()
-        state.last_text = agent.decode_turn(sampled)
         if completion.finish_reason == "length":
             # Cut off mid-turn: by the context limit when that was the tighter bound.
             state.finish_reason = "max_context" if max_tokens < agent.max_new_tokens else "length"

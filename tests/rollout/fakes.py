@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,23 +21,19 @@ from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
 ASSISTANT_HEADER = "<|im_start|>assistant"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class FakePrompt:
     """What the script sees for one generate call."""
 
-    text: str  # the decoded prompt
+    ids: list[int]  # the prompt's token ids
     turn: int  # 0 for the first assistant turn of a chain, 1 for the next, ...
     question: str  # the first user message's text (Qwen/ChatML prompts)
+    tokenizer: Any = None
 
-
-def _question_of(text: str) -> str:
-    marker = "<|im_start|>user\n"
-    start = text.find(marker)
-    if start < 0:
-        return ""
-    start += len(marker)
-    end = text.find("<|im_end|>", start)
-    return text[start:end]
+    @functools.cached_property
+    def text(self) -> str:
+        """The decoded prompt (decoded on first use: most scripts only need `turn` and `question`)."""
+        return self.tokenizer.decode(self.ids, skip_special_tokens=False)
 
 
 def fake_logprob(position: int) -> float:
@@ -49,6 +46,7 @@ class FakeScriptedBackend(GenerationBackend):
 
     latency_s: seconds each generate call takes (a float, or a function of the FakePrompt).
     The returned ids are `tokenizer.encode(text) + [stop]`, truncated to max_tokens ("length") if longer.
+    report_weight_version: set Completion.weight_version to the version current when the reply is made.
     Records every call (prompt ids, max_tokens, seed) and the peak number of calls in flight.
     """
 
@@ -59,15 +57,20 @@ class FakeScriptedBackend(GenerationBackend):
         *,
         latency_s: float | Callable[[FakePrompt], float] = 0.0,
         stop_token: str = "<|im_end|>",
+        report_weight_version: bool = False,
     ):
         self.tokenizer = tokenizer
         self.script = script
         self.latency_s = latency_s
         self.stop_id = tokenizer.convert_tokens_to_ids(stop_token)
+        self._header_ids = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
+        self._user_ids = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
+        self._encoded: dict[str, list[int]] = {}  # reply text -> ids (scripts repeat replies a lot)
         self.calls: list[dict[str, Any]] = []
         self.in_flight = 0
         self.peak_in_flight = 0
         self.weight_version = 0
+        self.report_weight_version = report_weight_version
 
     async def generate(
         self,
@@ -81,8 +84,7 @@ class FakeScriptedBackend(GenerationBackend):
         n: int = 1,
         seed: int | None = None,
     ) -> list[Completion]:
-        text = self.tokenizer.decode(list(prompt_token_ids), skip_special_tokens=False)
-        prompt = FakePrompt(text=text, turn=text.count(ASSISTANT_HEADER) - 1, question=_question_of(text))
+        prompt = self._prompt(list(prompt_token_ids))
         self.calls.append(
             {"prompt_ids": list(prompt_token_ids), "max_tokens": max_tokens, "seed": seed, "turn": prompt.turn}
         )
@@ -95,12 +97,30 @@ class FakeScriptedBackend(GenerationBackend):
             reply = self.script(prompt)
         finally:
             self.in_flight -= 1
-        ids = list(self.tokenizer.encode(reply, add_special_tokens=False)) + [self.stop_id]
+        if reply not in self._encoded:
+            self._encoded[reply] = list(self.tokenizer.encode(reply, add_special_tokens=False))
+        ids = self._encoded[reply] + [self.stop_id]
         finish_reason = "stop"
         if len(ids) > max_tokens:
             ids, finish_reason = ids[:max_tokens], "length"
         logprobs = [fake_logprob(position) for position in range(len(ids))]
-        return [Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish_reason) for _ in range(n)]
+        version = self.weight_version if self.report_weight_version else None
+        return [
+            Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish_reason, weight_version=version)
+            for _ in range(n)
+        ]
+
+    def _prompt(self, ids: list[int]) -> FakePrompt:
+        """The FakePrompt of a ChatML prompt, found on token ids (decoding whole prompts would be slow)."""
+        header, user = self._header_ids, self._user_ids
+        headers = sum(1 for i, token in enumerate(ids) if token == header[0] and ids[i : i + len(header)] == header)
+        question = ""
+        for start, token in enumerate(ids):
+            if token == user[0] and ids[start : start + len(user)] == user:
+                end = ids.index(self.stop_id, start) if self.stop_id in ids[start:] else len(ids)
+                question = self.tokenizer.decode(ids[start + len(user) : end], skip_special_tokens=False)
+                break
+        return FakePrompt(ids=ids, turn=headers - 1, question=question, tokenizer=self.tokenizer)
 
     async def update_weights(self, params: Any, version: int) -> None:
         self.weight_version = version

@@ -153,6 +153,14 @@ def test_policy_version_of_the_first_turn_with_min_max_in_metrics(qwen_tokenizer
     assert trajectory.policy_version == 4
     assert (trajectory.metrics["policy_version_min"], trajectory.metrics["policy_version_max"]) == (4, 6)
 
+    # A backend that reports the version that sampled each completion is believed over the one read before.
+    backend = FakeScriptedBackend(qwen_tokenizer, script, report_weight_version=True)
+    backend.weight_version = 4
+    agent = ToolCallingAgent(backend, qwen_tokenizer, tools=[add], chat_template=QWEN)
+    [trajectory] = run(agent, [{"question": "q"}])
+    assert trajectory.policy_version == 5
+    assert (trajectory.metrics["policy_version_min"], trajectory.metrics["policy_version_max"]) == (5, 7)
+
 
 # --------------------------------------------------------------------------------------------------
 # Failures are data: every tool error kind, and the chain keeps going
@@ -464,3 +472,34 @@ def test_last_run_stats(qwen_tokenizer):
     assert stats["tool_calls"] == 4 and stats["tool_errors"] == 0
     assert stats["reward_mean"] == 0.5 and stats["wall_time_s"] > 0
     assert all(isinstance(value, float) for value in stats.values())
+
+
+def test_code_agent_with_the_real_code_interpreter_and_resource_manager(qwen_tokenizer):
+    """CodeAgent + the code-interpreter environment (bubblewrap sandbox) pooled by the resource manager."""
+    from agentfly_jax.envs import ResourceManager
+    from environments.code_interpreter import POOL_CONFIG
+    from environments.code_interpreter.tools import code_interpreter
+
+    replies = ["```python\nx = 6 * 7\n```", "```python\nprint(x + 1)\n```", "So it is \\boxed{43}."]
+    backend = FakeScriptedBackend(qwen_tokenizer, scripted(replies))
+
+    async def scenario():
+        manager = ResourceManager({"code_interpreter": POOL_CONFIG})
+        agent = CodeAgent(
+            backend, qwen_tokenizer, tools=[code_interpreter], env_provider=manager, reward_fn=math_match,
+            chat_template=QWEN,
+        )
+        try:
+            trajectories = await agent.run([{"question": "6*7+1?", "answer": 43}], num_chains=2, progress=False)
+            return trajectories, manager.metrics("code_interpreter")
+        finally:
+            await manager.close()
+            await asyncio.sleep(0.05)  # let the sandbox's subprocess transports finish closing
+
+    trajectories, metrics = asyncio.run(scenario())
+    for trajectory in trajectories:
+        observations = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
+        # `x` from the first block is still defined in the second: one session per chain across turns.
+        assert observations == ["(no output)", "43"], observations
+        assert (trajectory.finish_reason, trajectory.reward) == ("stop", 1.0)
+    assert metrics["acquires"] == 2 and metrics["created"] == 2 and metrics["in_use"] == 0
