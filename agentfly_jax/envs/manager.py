@@ -235,8 +235,8 @@ class ResourceManager:
     async def start(self) -> None:
         """Creates the warm (`min_size`) instances of every pool and waits for them; optional."""
         self._check_open()
-        self._ensure_reaper()
         creations = [task for pool in self._pools.values() for task in self._fill_min(pool, force=True)]
+        self._ensure_reaper()
         await asyncio.gather(*creations, return_exceptions=True)
 
     def metrics(self, pool: str | None = None) -> dict[str, Any]:
@@ -294,6 +294,16 @@ class ResourceManager:
         self._ensure_reaper()
         start = time.monotonic()
         lease = pool.leases.get(key)
+        if lease is None and pool.idle and not pool.n_waiting():
+            # Fast path: a warm instance and nobody queued before us; no task, no suspension.
+            lease = _Lease(key)
+            lease.refcount = 1
+            pool.leases[key] = lease
+            entry = pool.idle.pop()
+            self._assign(pool, lease, entry)
+            pool.latencies.append(time.monotonic() - start)
+            pool.counters["acquires"] += 1
+            return lease, entry.env
         if lease is None:
             lease = _Lease(key)
             pool.leases[key] = lease

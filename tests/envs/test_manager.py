@@ -248,6 +248,7 @@ def test_close_destroys_everything_and_fails_pending_acquires():
     async def main():
         m = ResourceManager({"p": {"factory": CountingEnv, "max_size": 1, "min_size": 1}})
         await m.start()
+        assert m.metrics("p")["idle"] == 1  # start() returns once the warm instances exist
         held = m.acquire("p", "c")
         env = await held.__aenter__()
         pending = asyncio.create_task(m.acquire("p", "w").__aenter__())
