@@ -108,11 +108,13 @@ class RolloutStats:
     wall_time_s: float = 0.0
 
     def env_acquired(self, pool: str) -> None:
+        """A chain took an environment of `pool`."""
         self.envs_in_use += 1
         self.envs_acquired += 1
         self.envs_in_use_peak = max(self.envs_in_use_peak, self.envs_in_use)
 
     def env_released(self, pool: str) -> None:
+        """A chain gave back an environment of `pool`."""
         self.envs_in_use -= 1
 
     def as_dict(self) -> dict[str, float]:
@@ -158,6 +160,7 @@ class _Progress:
         )
 
     def changed(self, finished_chains: int = 0) -> None:
+        """Counts changed (and `finished_chains` more chains are done): redraw if it is time."""
         now = time.monotonic()
         if finished_chains:
             self.bar.update(finished_chains)
@@ -166,6 +169,7 @@ class _Progress:
             self.bar.set_postfix_str(self._postfix(), refresh=True)
 
     def close(self) -> None:
+        """Show the final counts and close the bar."""
         self.bar.set_postfix_str(self._postfix(), refresh=False)
         self.bar.close()
 

@@ -18,7 +18,9 @@ from typing import Any, Protocol
 class EnvironmentProvider(Protocol):
     """Hands out environment instances: `async with provider.acquire(pool, key) as env: ...`."""
 
-    def acquire(self, pool: str, key: str) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    def acquire(self, pool: str, key: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        """An async context manager yielding the environment of `pool` for `key` (one chain)."""
+        ...
 
 
 class EnvironmentUnavailableError(RuntimeError):

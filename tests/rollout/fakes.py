@@ -84,6 +84,7 @@ class FakeScriptedBackend(GenerationBackend):
         n: int = 1,
         seed: int | None = None,
     ) -> list[Completion]:
+        """The script's reply to this prompt as token ids + stop token, after the configured latency."""
         prompt = self._prompt(list(prompt_token_ids))
         self.calls.append(
             {"prompt_ids": list(prompt_token_ids), "max_tokens": max_tokens, "seed": seed, "turn": prompt.turn}
@@ -123,6 +124,7 @@ class FakeScriptedBackend(GenerationBackend):
         return FakePrompt(ids=ids, turn=headers - 1, question=question, tokenizer=self.tokenizer)
 
     async def update_weights(self, params: Any, version: int) -> None:
+        """Only records the version: the script is the model."""
         self.weight_version = version
 
 
@@ -161,6 +163,7 @@ class FakeEnvProvider:
 
     @contextlib.asynccontextmanager
     async def acquire(self, pool: str, key: str):
+        """A fresh FakeEnv for (pool, key), released (after release_delay_s) when the block exits."""
         if pool in self.fail_pools:
             raise RuntimeError(f"pool '{pool}' is full")
         if (pool, key) in self.active:
