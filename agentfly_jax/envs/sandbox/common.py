@@ -12,12 +12,12 @@ MiB = 1 << 20
 INSIDE_SOURCE = (pathlib.Path(__file__).with_name("inside.py")).read_text()
 
 
-class SandboxUnavailable(RuntimeError):
-    """The backend cannot run here (missing bwrap, no sandbox uids, no Docker daemon or image)."""
-
-
 class SandboxError(RuntimeError):
     """A sandbox failed for a reason other than the user's code (setup error, daemon error)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """The backend cannot run here (missing bwrap, no sandbox uids, no Docker daemon or image)."""
 
 
 @dataclasses.dataclass(frozen=True)
