@@ -21,6 +21,7 @@ from agentfly_jax.trainer.update import (
     LossConfig,
     accumulate_gradients,
     make_logprob_fn,
+    make_sft_step,
     make_train_step,
     make_value_fn,
     token_logprobs,

@@ -69,8 +69,10 @@ def token_logprobs(model: CausalLM, params, batch, *, temperature=1.0, chunk=Non
 
 
 def values_of(model, params, batch):
-    """Critic values [R, L] at every token (the value of the state after reading that token)."""
-    return model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+    """Critic values [R, L], token-aligned like `token_logprobs`: values[t] is the value of the state in which
+    token t is chosen (the critic's output at position t - 1)."""
+    values = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+    return _shift_right(values[:, :-1])
 
 
 def policy_loss(params, batch, model, cfg: LossConfig):
@@ -104,6 +106,16 @@ def policy_loss(params, batch, model, cfg: LossConfig):
     metrics["logprob_mean"] = _mean_on(logprobs, mask)
     metrics["loss"] = loss
     return loss, metrics
+
+
+def sft_loss(params, batch, model, cfg: LossConfig):
+    """Masked cross-entropy on demonstration tokens: -sum(loss_weights * logprob) over action tokens."""
+    mask = batch["action_mask"]
+    logprobs, entropy = token_logprobs(model, params, batch, temperature=1.0, chunk=cfg.logprob_chunk)
+    nll = -jnp.sum(jnp.where(mask > 0, logprobs * batch["loss_weights"], 0.0))
+    token_acc = _mean_on(jnp.exp(logprobs) > 0.5, mask)  # the demonstrated token is the argmax for sure
+    return nll, {"loss": nll, "entropy": _mean_on(entropy, mask), "token_prob_gt_half": token_acc,
+                 "logprob_mean": _mean_on(logprobs, mask)}
 
 
 def critic_loss(params, batch, model, cfg: LossConfig):
@@ -213,6 +225,24 @@ def make_train_step(policy_model, loss_cfg: LossConfig, policy_opt: optax.Gradie
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
+
+
+def make_sft_step(model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation, *, lr_schedule=None,
+                  state_sharding=None):
+    """Jitted `sft_step(state, micro_batches) -> (state, metrics)`: supervised fine-tuning on the same packed,
+    action-masked batches as RL (only the policy is trained)."""
+
+    def sft_step(state: TrainState, micro_batches):
+        grads, metrics = accumulate_gradients(lambda p, b: sft_loss(p, b, model, loss_cfg), state.policy.params,
+                                              micro_batches)
+        policy, opt_metrics = _apply(state.policy, grads, optimizer)
+        out = {f"sft/{k}": v for k, v in {**metrics, **opt_metrics}.items()}
+        if lr_schedule is not None:
+            out["sft/learning_rate"] = lr_schedule(state.step)
+        return state.replace(step=state.step + 1, policy=policy), out
+
+    out_shardings = None if state_sharding is None else (state_sharding, None)
+    return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings)
 
 
 def make_logprob_fn(model, *, temperature=1.0, chunk=None):

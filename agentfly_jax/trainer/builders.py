@@ -1,0 +1,163 @@
+"""Config -> objects: tokenizer, tasks, policy/critic, generation backend, agent, mesh.
+
+Every number comes from the experiment config; these functions only wire. Task families and
+demonstration builders are looked up by name so experiments can add their own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from agentfly_jax.models import CausalLM, ModelConfig, ValueModel, init_params, load_pretrained
+from agentfly_jax.models import sharding as shd
+
+log = logging.getLogger(__name__)
+
+
+def _cfg(node) -> dict:
+    """ConfigDict / dict -> plain dict (recursively)."""
+    return node.to_dict() if hasattr(node, "to_dict") else dict(node or {})
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+def _arithmetic_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+    from environments.arithmetic import ArithmeticTaskConfig, generate_tasks
+
+    family = ArithmeticTaskConfig(operand_min=task_cfg["operand_min"], operand_max=task_cfg["operand_max"],
+                                  ops=task_cfg["ops"])
+    eval_tasks = generate_tasks(task_cfg["num_eval"], seed + 1, family)
+    train = generate_tasks(task_cfg["num_train"], seed, family, exclude={t["expression"] for t in eval_tasks})
+    return train, eval_tasks
+
+
+def _file_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+    from agentfly_jax.rollout.data import load_dataset
+
+    return load_dataset(task_cfg["train_path"]), load_dataset(task_cfg["eval_path"])
+
+
+TASK_FAMILIES: dict[str, Callable[[dict, int], tuple[list[dict], list[dict]]]] = {
+    "arithmetic": _arithmetic_tasks,
+    "files": _file_tasks,
+}
+
+
+def build_tasks(config) -> tuple[list[dict], list[dict]]:
+    task_cfg = _cfg(config.task)
+    kind = task_cfg.get("kind")
+    if kind not in TASK_FAMILIES:
+        raise ValueError(f"unknown config.task.kind {kind!r}; known: {sorted(TASK_FAMILIES)}")
+    return TASK_FAMILIES[kind](task_cfg, config.seed)
+
+
+def build_demonstrations(config, train_tasks: list[dict]) -> list[list[dict]]:
+    """SFT conversations: generated for the arithmetic family, or read from `config.sft.data_path` (JSONL of
+    {"messages": [...]})."""
+    sft = _cfg(config.sft)
+    if sft.get("data_path"):
+        with open(sft["data_path"]) as fh:
+            rows = [json.loads(line) for line in fh if line.strip()]
+        bad = [i + 1 for i, r in enumerate(rows) if not isinstance(r.get("messages"), list)]
+        if bad:
+            raise ValueError(f"{sft['data_path']}: lines {bad[:5]} have no 'messages' list")
+        return [r["messages"] for r in rows]
+    if config.task.kind != "arithmetic":
+        raise ValueError("config.sft.steps > 0 needs config.sft.data_path (JSONL of {'messages': [...]}) "
+                         "for this task family")
+    from environments.arithmetic import demonstration
+
+    rng = random.Random(config.seed + 7)
+    return [demonstration(t, use_tool=rng.random() < sft["tool_fraction"], rng=rng) for t in train_tasks]
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+def build_tokenizer(config, workdir: str):
+    tok_cfg = _cfg(config.tokenizer)
+    if tok_cfg.get("path"):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tok_cfg["path"])
+    if tok_cfg.get("kind") == "arithmetic":
+        from environments.arithmetic import build_tokenizer as build_arithmetic_tokenizer
+
+        return build_arithmetic_tokenizer(os.path.join(workdir, "tokenizer"), seed=config.seed)
+    raise ValueError("set config.tokenizer.path (an HF tokenizer directory) or config.tokenizer.kind='arithmetic'")
+
+
+# ------------------------------------------------------------------------------------------------ models
+def build_policy(config, tokenizer) -> tuple[CausalLM, Any]:
+    m = _cfg(config.model)
+    dtype = m.pop("dtype", "float32")
+    param_dtype = m.pop("param_dtype", None) or dtype
+    hf_path = m.pop("hf_path", "")
+    overrides = {k: m.pop(k) for k in ("remat", "attention_impl") if k in m}
+    if hf_path:
+        model, params = load_pretrained(hf_path, dtype=dtype, param_dtype=param_dtype, **overrides)
+        if model.config.vocab_size < len(tokenizer):
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab is "
+                             f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+        return model, params
+    config_fields = dict(m, vocab_size=m.get("vocab_size") or len(tokenizer), dtype=dtype, param_dtype=param_dtype,
+                         **overrides)
+    model = CausalLM(ModelConfig(**config_fields))
+    return model, init_params(model, jax.random.PRNGKey(config.seed))
+
+
+def critic_from_policy(policy: CausalLM, policy_params) -> tuple[ValueModel, Any]:
+    """A value model with the policy's trunk (copied) and a zero-initialised head."""
+    critic = ValueModel(policy.config)
+    head = init_params(critic, jax.random.PRNGKey(0))["value_head"]
+    return critic, {"model": jax.tree.map(jnp.copy, policy_params["model"]), "value_head": head}
+
+
+# -------------------------------------------------------------------------------------------------- mesh
+def build_mesh(config):
+    return shd.make_mesh(_cfg(config.mesh))
+
+
+def sharding_rules(config):
+    rules = config.get("sharding_rules") if hasattr(config, "get") else None
+    return tuple(tuple(r) for r in rules) if rules else shd.DEFAULT_RULES
+
+
+# ----------------------------------------------------------------------------------- backend and agent
+def build_backend(config, model, params):
+    kind = config.backend
+    if kind == "jax":
+        from agentfly_jax.rollout.backends import JaxSampler
+
+        return JaxSampler(model, params, seed=config.seed, **_cfg(config.jax_sampler))
+    if kind == "vllm":
+        from agentfly_jax.rollout.backends import VLLMBackend
+
+        v = _cfg(config.vllm)
+        urls = v.pop("urls")
+        if not urls:
+            raise ValueError("config.backend='vllm' needs config.vllm.urls (e.g. ['http://127.0.0.1:8000'])")
+        return VLLMBackend(urls, model, **v)
+    raise ValueError(f"unknown config.backend {kind!r}; expected 'jax' or 'vllm'")
+
+
+AGENT_TYPES = {"tool_calling": "ToolCallingAgent", "react": "ReactAgent", "code": "CodeAgent"}
+
+
+def build_agent(config, backend, tokenizer, env_provider=None):
+    from agentfly_jax.rollout import agents
+
+    a = _cfg(config.agent)
+    kind = a.pop("type")
+    if kind not in AGENT_TYPES:
+        raise ValueError(f"unknown config.agent.type {kind!r}; known: {sorted(AGENT_TYPES)}")
+    cls = getattr(agents, AGENT_TYPES[kind])
+    tools = list(a.pop("tools", []))
+    reward = a.pop("reward")
+    a.pop("success_threshold", None)
+    chat_template = config.get("chat_template") or None
+    return cls(backend, tokenizer, tools=tools, reward_fn=reward, chat_template=chat_template,
+               env_provider=env_provider, **a)
