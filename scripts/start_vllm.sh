@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Starts a vLLM OpenAI-compatible server for MODEL_DIR on 127.0.0.1:PORT, waits for /health, writes a pid file.
+#
+#   bash scripts/start_vllm.sh MODEL_DIR PORT [extra vLLM server flags...]
+#   bash scripts/stop_vllm.sh [PORT]
+#
+# Which vLLM: $VLLM_PYTHON if set; else .venv-vllm/ (the CPU server, installed here by scripts/setup_vllm.sh);
+# else the first `python3` that can import vllm (a GPU machine with the `vllm` package).
+#
+# Always on, because VLLMBackend relies on them:
+#   VLLM_SERVER_DEV_MODE=1            /collective_rpc, /pause, /resume and /reset_prefix_cache for weight sync
+#   --worker-extension-cls            agentfly's weight-sync methods inside each worker (vllm_worker_ext.py)
+#   --logprobs-mode processed_logprobs  logprobs after temperature (what the trainer recomputes), not raw logits
+#   --generation-config vllm          no sampling defaults or extra stop tokens from the model's generation_config
+#   --skip-tokenizer-init             token ids in and out; the server never needs a tokenizer
+#   --return-tokens-as-token-ids      logprob entries keyed by token id (no detokenisation)
+# On CPU also --enforce-eager (start-up ~1 min instead of ~2) and VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
+# Extra flags are passed through, e.g. --dtype float32 --max-model-len 1024 --max-num-seqs 64.
+#
+# Files: $AGENTFLY_VLLM_RUN_DIR (default runs/vllm/) holds port-PORT.pid, port-PORT.log and the extension module.
+# Waits up to $VLLM_START_TIMEOUT seconds (default 300) for /health.
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+  echo "usage: $0 MODEL_DIR PORT [extra vLLM server flags...]" >&2
+  exit 2
+fi
+MODEL_DIR="$(cd "$1" && pwd)"
+PORT="$2"
+shift 2
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RUN_DIR="${AGENTFLY_VLLM_RUN_DIR:-$ROOT/runs/vllm}"
+mkdir -p "$RUN_DIR"
+PID_FILE="$RUN_DIR/port-$PORT.pid"
+LOG_FILE="$RUN_DIR/port-$PORT.log"
+TIMEOUT="${VLLM_START_TIMEOUT:-300}"
+log() { printf '[start_vllm] %s\n' "$*" >&2; }
+# A pid that exists and is not a zombie (a crashed server lingers as one until it is reaped).
+alive() { [ -r "/proc/$1/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
+
+if [ -f "$PID_FILE" ] && alive "$(cat "$PID_FILE")"; then
+  echo "a vLLM server started by this script already runs on port $PORT (pid $(cat "$PID_FILE")); " \
+       "stop it with scripts/stop_vllm.sh $PORT" >&2
+  exit 1
+fi
+
+cpu_flags=()
+if [ -n "${VLLM_PYTHON:-}" ]; then
+  PY="$VLLM_PYTHON"
+elif [ -x "$ROOT/.venv-vllm/bin/python" ]; then
+  PY="$ROOT/.venv-vllm/bin/python"
+elif python3 -c "import vllm" 2>/dev/null; then
+  PY="$(command -v python3)"
+else
+  echo "no vLLM found: run scripts/setup_vllm.sh (CPU server in .venv-vllm/), install the vllm package, or set" \
+       "VLLM_PYTHON to a python that can import vllm" >&2
+  exit 1
+fi
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+  cpu_flags=(--enforce-eager)
+fi
+
+# The extension is loaded by module name inside the server's own environment, which does not have (and must not
+# import) agentfly_jax: a copy under a neutral module name keeps the server independent of our package.
+EXT_DIR="$RUN_DIR/ext-$PORT"
+mkdir -p "$EXT_DIR"
+cp "$ROOT/agentfly_jax/rollout/backends/vllm_worker_ext.py" "$EXT_DIR/agentfly_vllm_worker_ext.py"
+
+export VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1
+export PYTHONPATH="$EXT_DIR${PYTHONPATH:+:$PYTHONPATH}"
+
+log "starting vLLM ($PY) for $MODEL_DIR on 127.0.0.1:$PORT; log: $LOG_FILE"
+setsid "$PY" -m vllm.entrypoints.cli.main serve "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
+  --worker-extension-cls agentfly_vllm_worker_ext.WeightSyncExtension \
+  --logprobs-mode processed_logprobs --generation-config vllm \
+  --skip-tokenizer-init --return-tokens-as-token-ids \
+  "${cpu_flags[@]}" "$@" > "$LOG_FILE" 2>&1 < /dev/null &
+pid=$!
+echo "$pid" > "$PID_FILE"
+
+start=$SECONDS
+while true; do
+  if ! alive "$pid"; then
+    rm -f "$PID_FILE"
+    log "the server exited during start-up; last lines of $LOG_FILE:"
+    tail -n 40 "$LOG_FILE" >&2
+    exit 1
+  fi
+  if curl -sf -o /dev/null "http://127.0.0.1:$PORT/health"; then
+    log "ready on port $PORT after $((SECONDS - start)) s (pid $pid)"
+    exit 0
+  fi
+  if [ $((SECONDS - start)) -ge "$TIMEOUT" ]; then
+    log "no /health after ${TIMEOUT} s; stopping it. Last lines of $LOG_FILE:"
+    tail -n 40 "$LOG_FILE" >&2
+    bash "$ROOT/scripts/stop_vllm.sh" "$PORT" || true
+    exit 1
+  fi
+  sleep 1
+done

