@@ -332,8 +332,11 @@ class _BwrapTransport(Transport):
         return await self.proc.stdout.readline()
 
     async def terminate(self) -> None:
-        self._pump.cancel()
         await self.slot.release()
+        try:  # the process is gone, so its stderr reaches EOF: let the drain finish cleanly
+            await asyncio.wait_for(self._pump, 1.0)
+        except (asyncio.TimeoutError, OSError):
+            self._pump.cancel()
 
     def terminate_soon(self) -> None:
         self._pump.cancel()

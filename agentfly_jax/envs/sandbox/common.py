@@ -25,7 +25,7 @@ class SandboxLimits:
     """Resource limits of one sandboxed run or session.
 
     memory_bytes: address-space limit of each process (RLIMIT_AS: allocations beyond it raise MemoryError);
-      the sandbox as a whole (cgroup / container) gets twice this as a hard ceiling.
+      the sandbox as a whole (cgroup / container) gets 2 x memory_bytes + tmp_bytes as a hard ceiling.
     max_processes: processes + threads of one sandbox (RLIMIT_NPROC per slot uid / pids cgroup / pids_limit).
     file_size_bytes: largest file the code may write (RLIMIT_FSIZE); also caps a session's output.
     tmp_bytes: size of the private, writable /tmp (the only writable place).
