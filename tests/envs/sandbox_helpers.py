@@ -26,17 +26,19 @@ def require_backend(loop, backend: str):
     if backend == "docker" and os.environ.get(SKIP_DOCKER_ENV) == "1":
         pytest.skip(f"{SKIP_DOCKER_ENV}=1: docker sandbox tests skipped on purpose")
     try:
-        sandbox = loop.run_until_complete(_ready(backend))
+        return loop.run_until_complete(_ready(backend))
     except SandboxUnavailable as e:
-        hint = f" (or set {SKIP_DOCKER_ENV}=1 to skip the docker tests)" if backend == "docker" else ""
-        pytest.fail(f"{backend} sandbox unavailable: {e}{hint}", pytrace=False)
-    return sandbox
+        reason = str(e)
+    hint = f" (or set {SKIP_DOCKER_ENV}=1 to skip the docker tests)" if backend == "docker" else ""
+    pytest.fail(f"{backend} sandbox unavailable: {reason}{hint}", pytrace=False)
 
 
 async def _ready(backend):
     sandbox = get_sandbox(backend)
     if backend == "docker":
         await sandbox._ensure_ready()
+    else:
+        await (await sandbox._claim()).release()  # the first claim checks that a sandbox starts here
     return sandbox
 
 

@@ -391,6 +391,7 @@ class BwrapSandbox:
             log.info("bwrap sandbox: no writable cgroup v1 hierarchies; relying on rlimits only")
         self._bwrap_args = self._make_bwrap_args(extra_ro_binds)
         self._background: set[asyncio.Task] = set()
+        self._works = False  # set once a sandbox has started here (see _check_works)
 
     @property
     def slots(self) -> int:
@@ -436,7 +437,28 @@ class BwrapSandbox:
                 f"all {len(self.uids)} bwrap sandbox slots stayed busy for {self.slot_timeout:g} s; lower "
                 "concurrency, raise slot_timeout, or create more sandbox users (SANDBOX_SLOTS=N "
                 "scripts/setup_sandbox.sh)") from None
-        return _Slot(self, uid, gid)
+        slot = _Slot(self, uid, gid)
+        if not self._works:
+            try:
+                await self._check_works(slot)
+            except BaseException:
+                await slot.release()
+                raise
+        return slot
+
+    async def _check_works(self, slot: _Slot) -> None:
+        """Starts one empty sandbox, so that a kernel or setup that forbids it (e.g. no unprivileged user
+        namespaces) is reported as such instead of as a failing user program."""
+        proc = await slot.start([self.python, "-I", "-c", "pass"])
+        _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        slot.proc = None
+        if proc.returncode != 0:
+            raise SandboxUnavailable(
+                f"bubblewrap could not start a sandbox here (exit status {proc.returncode}: "
+                f"{stderr.decode(errors='replace').strip()[-500:]}); the bwrap backend needs unprivileged user "
+                f"namespaces (sysctl user.max_user_namespaces > 0) and scripts/setup_sandbox.sh; or use "
+                f"backend='docker'")
+        self._works = True
 
     async def run(self, code: str, timeout: float = 10.0) -> ExecResult:
         """Runs `code` as a fresh `python3 -I -` (code on stdin) and returns its output and exit status."""
