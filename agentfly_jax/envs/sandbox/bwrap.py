@@ -4,7 +4,7 @@ Each run or session gets a *slot*: a dedicated unprivileged uid (users `agentfly
 scripts/setup_sandbox.sh) plus, where cgroup v1 is writable, its own memory / pids / cpu cgroups. The process
 is started as
 
-    sh (joins the slot's cgroups) -> setpriv (slot uid, no groups) -> prlimit (rlimits) -> bwrap -> python3
+    sh (joins the slot's cgroups) -> prlimit (rlimits) -> setpriv (slot uid, no groups) -> bwrap -> python3
 
 and bwrap gives it new user, pid, network, ipc and uts namespaces, a read-only /usr, a private size-limited
 /tmp, a read-only /dev and nothing else of the host (no /home, no /root, no repository, no sockets). Because
@@ -424,9 +424,10 @@ class BwrapSandbox:
         if self._cgroups is not None:
             procs = self._cgroups.prepare(uid, lim)
             argv += ["/bin/sh", "-c", _ATTACH_TO_CGROUPS, "sh", str(len(procs)), *procs]
-        argv += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+        # Limits first, while still root (an unprivileged process cannot raise a hard limit), then the uid.
         argv += ["prlimit", *(f"--{k}={v}" for k, v in lim.rlimits(nproc=True, cpu_seconds=cpu_seconds).items()),
                  "--"]
+        argv += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
         return argv + [self._bwrap, *self._bwrap_args, "--", *command]
 
     async def _claim(self) -> _Slot:
@@ -455,9 +456,9 @@ class BwrapSandbox:
         if proc.returncode != 0:
             raise SandboxUnavailable(
                 f"bubblewrap could not start a sandbox here (exit status {proc.returncode}: "
-                f"{stderr.decode(errors='replace').strip()[-500:]}); the bwrap backend needs unprivileged user "
-                f"namespaces (sysctl user.max_user_namespaces > 0) and scripts/setup_sandbox.sh; or use "
-                f"backend='docker'")
+                f"{stderr.decode(errors='replace').strip()[-500:]}); the bwrap backend needs bubblewrap to work "
+                f"for unprivileged users (unprivileged user namespaces, sysctl user.max_user_namespaces > 0) and "
+                f"the setup of scripts/setup_sandbox.sh; or use backend='docker'")
         self._works = True
 
     async def run(self, code: str, timeout: float = 10.0) -> ExecResult:
