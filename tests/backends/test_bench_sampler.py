@@ -1,0 +1,53 @@
+"""scripts/bench_sampler.py: its roofline arithmetic, and the short CPU version end to end."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentfly_jax.models import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_sampler", ROOT / "scripts" / "bench_sampler.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_roofline_arithmetic():
+    bench = load_bench()
+    shape = bench.SHAPES["qwen2.5-0.5b"]
+    config = ModelConfig(**shape, qkv_bias=True, family="qwen2")
+    assert bench.param_count(shape) == config.num_params == 494_032_768  # Qwen2.5-0.5B's published count
+    roof = bench.roofline(shape, batch=64, mean_context=256, bytes_per_value=2, bandwidth=3.35e12)
+    kv_per_token = 2 * 24 * 2 * 64 * 2  # k and v, 24 layers, 2 kv heads of 64, bf16
+    assert roof["kv_bytes_per_step"] == 64 * 256 * kv_per_token
+    step_s = (494_032_768 * 2 + 64 * 256 * kv_per_token) / 3.35e12
+    assert roof["step_ms"] == pytest.approx(1e3 * step_s, rel=1e-3)
+    assert roof["tokens_per_s"] == pytest.approx(64 / step_s, rel=1e-3)
+    assert bench._bandwidth("NVIDIA H200", None) == 4.8e12 and bench._bandwidth("NVIDIA H100 80GB HBM3", None) == 3.35e12
+
+
+@pytest.mark.slow
+def test_bench_sampler_short(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
+    proc = subprocess.run([sys.executable, "scripts/bench_sampler.py", "--shape", "tiny", "--batches", "4",
+                           "--prompt-len", "8", "--new-tokens", "8", "--extra-tokens", "40", "--repeats", "3",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("SUMMARY tiny") == 1
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["ours"]["batch"] for r in records] == [4]
+    for record in records:
+        for side in ("ours", "peer"):
+            assert record[side]["decode_tokens_per_s"] > 0 and record[side]["e2e_tokens_per_s"] > 0
+        assert record["ours"]["impl"] == "agentfly_jax.JaxSampler" and record["peer"]["impl"] == "transformers.generate"
+        assert sum(record["ours"]["compiles"].values()) <= 6  # a handful of programs per batch size
