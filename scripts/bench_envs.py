@@ -1,7 +1,7 @@
 """Benchmarks of the resource manager and the code sandboxes.
 
     .venv/bin/python scripts/bench_envs.py            # full: 1,000 chains, sandbox runs on both backends
-    .venv/bin/python scripts/bench_envs.py --quick    # a short version (used by tests/envs/test_bench_envs.py)
+    .venv/bin/python scripts/bench_envs.py --quick    # short version (tests/envs/test_bench_envs.py runs it)
     .venv/bin/python scripts/bench_envs.py --backends bwrap --json out.json
 
 Resource manager (a light in-memory environment, so the manager's own cost is what is measured):
@@ -16,6 +16,7 @@ Sandboxes (each backend):
   - peers in the same run: an unsandboxed `python3 -c` subprocess (not a sandbox: the floor) and, for Docker,
     a fresh container per run (what a pool avoids).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def percentile(values, q):
 
 
 async def bench_manager(chains: int, rounds: int, pool_size: int) -> dict:
-    manager = ResourceManager({"echo": {"factory": EchoEnv, "max_size": pool_size, "min_size": pool_size,
-                                        "acquire_timeout": 600}})
+    manager = ResourceManager(
+        {"echo": {"factory": EchoEnv, "max_size": pool_size, "min_size": pool_size, "acquire_timeout": 600}}
+    )
     await manager.start()
     release_s = []
 
@@ -75,15 +77,25 @@ async def bench_manager(chains: int, rounds: int, pool_size: int) -> dict:
     metrics = manager.metrics("echo")
     await manager.close()
     lat = metrics["acquire_latency_s"]
-    return {"chains": chains, "rounds": rounds, "pool_size": pool_size, "wall_s": wall,
-            "cycles_per_s": chains * rounds / wall, "acquire_p50_ms": lat["p50"] * 1e3,
-            "acquire_p99_ms": lat["p99"] * 1e3, "acquire_max_ms": lat["max"] * 1e3,
-            "release_p50_us": percentile(release_s, 0.5) * 1e6, "release_p99_us": percentile(release_s, 0.99) * 1e6,
-            "created": metrics["created"], "destroyed": metrics["destroyed"]}
+    return {
+        "chains": chains,
+        "rounds": rounds,
+        "pool_size": pool_size,
+        "wall_s": wall,
+        "cycles_per_s": chains * rounds / wall,
+        "acquire_p50_ms": lat["p50"] * 1e3,
+        "acquire_p99_ms": lat["p99"] * 1e3,
+        "acquire_max_ms": lat["max"] * 1e3,
+        "release_p50_us": percentile(release_s, 0.5) * 1e6,
+        "release_p99_us": percentile(release_s, 0.99) * 1e6,
+        "created": metrics["created"],
+        "destroyed": metrics["destroyed"],
+    }
 
 
 async def bench_no_pool(chains: int, rounds: int) -> dict:
     """Peer: a fresh environment for every chain (created, reset, used, closed)."""
+
     async def chain(i):
         for _ in range(rounds):
             env = EchoEnv()
@@ -113,8 +125,14 @@ async def bench_runs(backend: str, runs: int, concurrency: int) -> dict:
     start = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(runs)))
     wall = time.perf_counter() - start
-    return {"backend": backend, "runs": runs, "concurrency": concurrency, "execs_per_s": runs / wall,
-            "p50_ms": percentile(latencies, 0.5) * 1e3, "p99_ms": percentile(latencies, 0.99) * 1e3}
+    return {
+        "backend": backend,
+        "runs": runs,
+        "concurrency": concurrency,
+        "execs_per_s": runs / wall,
+        "p50_ms": percentile(latencies, 0.5) * 1e3,
+        "p99_ms": percentile(latencies, 0.99) * 1e3,
+    }
 
 
 async def bench_session(backend: str, cells: int) -> dict:
@@ -137,8 +155,9 @@ async def bench_plain_subprocess(runs: int, concurrency: int) -> dict:
 
     async def one(i):
         async with semaphore:
-            proc = await asyncio.create_subprocess_exec("/usr/bin/python3", "-I", "-c", f"print({i})",
-                                                        stdout=asyncio.subprocess.PIPE)
+            proc = await asyncio.create_subprocess_exec(
+                "/usr/bin/python3", "-I", "-c", f"print({i})", stdout=asyncio.subprocess.PIPE
+            )
             await proc.communicate()
 
     start = time.perf_counter()
@@ -157,9 +176,17 @@ def bench_fresh_containers(runs: int, concurrency: int) -> dict:
     client = docker.from_env(max_pool_size=concurrency + 4)
 
     def one(i):
-        out = client.containers.run(DEFAULT_IMAGE, ["python3", "-I", "-c", f"print({i})"], remove=True,
-                                    network_mode="none", read_only=True, cap_drop=["ALL"],
-                                    security_opt=["no-new-privileges"], mem_limit="1g", pids_limit=64)
+        out = client.containers.run(
+            DEFAULT_IMAGE,
+            ["python3", "-I", "-c", f"print({i})"],
+            remove=True,
+            network_mode="none",
+            read_only=True,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit="1g",
+            pids_limit=64,
+        )
         assert out == f"{i}\n".encode(), out
 
     start = time.perf_counter()
@@ -171,20 +198,28 @@ def bench_fresh_containers(runs: int, concurrency: int) -> dict:
 
 
 async def main(args) -> dict:
-    results = {"command": " ".join(["scripts/bench_envs.py", *sys.argv[1:]]), "machine": machine(),
-               "date": time.strftime("%Y-%m-%d")}
+    results = {
+        "command": " ".join(["scripts/bench_envs.py", *sys.argv[1:]]),
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     chains, rounds = (100, 3) if args.quick else (1000, 5)
     # Room to spare (instances are recycled in the background while others are handed out), then a pool
     # ten times smaller than the number of chains (chains queue for instances).
-    results["manager"] = [await bench_manager(chains, rounds, pool_size=2 * chains),
-                          await bench_manager(chains, rounds, pool_size=max(1, chains // 10))]
+    results["manager"] = [
+        await bench_manager(chains, rounds, pool_size=2 * chains),
+        await bench_manager(chains, rounds, pool_size=max(1, chains // 10)),
+    ]
     results["manager_peer_no_pool"] = await bench_no_pool(chains, rounds)
     runs, cells = (8, 20) if args.quick else (200, 500)
     results["sandbox"] = []
     for backend in args.backends:
-        results["sandbox"].append({
-            "runs": await bench_runs(backend, runs, args.concurrency),
-            "session": await bench_session(backend, cells)})
+        results["sandbox"].append(
+            {
+                "runs": await bench_runs(backend, runs, args.concurrency),
+                "session": await bench_session(backend, cells),
+            }
+        )
     results["peer_plain_subprocess"] = await bench_plain_subprocess(runs, args.concurrency)
     if "docker" in args.backends and not args.quick:
         results["peer_docker_fresh_container"] = bench_fresh_containers(32, args.concurrency)
@@ -194,7 +229,9 @@ async def main(args) -> dict:
 
 def machine() -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         model = platform.processor()
     cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
@@ -204,28 +241,36 @@ def machine() -> str:
 def report(results: dict) -> str:
     lines = [f"{results['command']} — {results['machine']} — {results['date']}"]
     for m in results["manager"]:
-        lines.append(f"manager  {m['chains']} chains x {m['rounds']} rounds, pool {m['pool_size']}: "
-                     f"{m['cycles_per_s']:,.0f} acquire/release cycles/s; acquire p50 {m['acquire_p50_ms']:.3f} ms, "
-                     f"p99 {m['acquire_p99_ms']:.2f} ms, max {m['acquire_max_ms']:.1f} ms; release p50 "
-                     f"{m['release_p50_us']:.1f} us")
+        lines.append(
+            f"manager  {m['chains']} chains x {m['rounds']} rounds, pool {m['pool_size']}: "
+            f"{m['cycles_per_s']:,.0f} acquire/release cycles/s; acquire p50 {m['acquire_p50_ms']:.3f} ms, "
+            f"p99 {m['acquire_p99_ms']:.2f} ms, max {m['acquire_max_ms']:.1f} ms; release p50 "
+            f"{m['release_p50_us']:.1f} us"
+        )
     peer = results["manager_peer_no_pool"]
     lines.append(f"peer     no pool (new env per chain): {peer['cycles_per_s']:,.0f} cycles/s")
     for s in results["sandbox"]:
         r, c = s["runs"], s["session"]
-        lines.append(f"{r['backend']:<8} run_python: {r['execs_per_s']:.1f} execs/s at concurrency {r['concurrency']} "
-                     f"(p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms); session: {c['cells_per_s']:.0f} "
-                     f"cells/s ({c['mean_ms']:.1f} ms per cell)")
+        lines.append(
+            f"{r['backend']:<8} run_python: {r['execs_per_s']:.1f} execs/s at concurrency {r['concurrency']} "
+            f"(p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms); session: {c['cells_per_s']:.0f} "
+            f"cells/s ({c['mean_ms']:.1f} ms per cell)"
+        )
     plain = results["peer_plain_subprocess"]
     lines.append(f"peer     plain python3 subprocess (not a sandbox): {plain['execs_per_s']:.1f} execs/s")
     if "peer_docker_fresh_container" in results:
         fresh = results["peer_docker_fresh_container"]
-        lines.append(f"peer     docker fresh container per run: {fresh['execs_per_s']:.2f} execs/s "
-                     f"({fresh['runs']} runs at concurrency {fresh['concurrency']})")
+        lines.append(
+            f"peer     docker fresh container per run: {fresh['execs_per_s']:.2f} execs/s "
+            f"({fresh['runs']} runs at concurrency {fresh['concurrency']})"
+        )
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a short version (100 chains, few runs)")
     parser.add_argument("--backends", nargs="+", default=["bwrap", "docker"], choices=["bwrap", "docker"])
     parser.add_argument("--concurrency", type=int, default=4, help="concurrent sandbox runs")

@@ -140,5 +140,7 @@ docker import \
   "$work/rootfs.tar" "$IMAGE" >/dev/null
 
 # Smoke check: the image runs Python as nobody, without network.
-docker run --rm --network none "$IMAGE" python3 -I -c 'import os, ssl, sqlite3, json; assert os.getuid() == 65534'
-log "built $IMAGE ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')) in $(( $(date +%s) - start )) s"
+docker run --rm --network none "$IMAGE" \
+  python3 -I -c 'import os, ssl, sqlite3, json; assert os.getuid() == 65534'
+size="$(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
+log "built $IMAGE ($size) in $(( $(date +%s) - start )) s"

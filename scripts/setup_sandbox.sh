@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the code sandboxes (agentfly_jax.envs.sandbox), idempotently; a second run only checks.
 #   - bubblewrap + util-linux (setpriv, prlimit) and docker.io, installed with apt-get only when missing;
-#   - the unprivileged sandbox users agentfly-sb000.. (one uid per concurrent bwrap sandbox), created when missing;
+#   - the unprivileged sandbox users agentfly-sb000.. (one uid per concurrent bwrap sandbox), when missing;
 #   - a Docker daemon (scripts/start_docker.sh) and the sandbox image (scripts/build_sandbox_image.sh).
 # Needs root. Without root it says what is missing and exits 0: the docker tests then fail with that message.
 #   SANDBOX_SLOTS=N       number of sandbox users (default 128)
@@ -14,7 +14,7 @@ log() { printf '[setup_sandbox] %s\n' "$*" >&2; }
 start=$(date +%s)
 
 if [ "$(id -u)" != 0 ]; then
-  log "not root: skipping sandbox setup (run scripts/setup_sandbox.sh as root for the bwrap and docker backends)"
+  log "not root: skipping sandbox setup (the bwrap and docker backends need it run as root)"
   exit 0
 fi
 
@@ -36,7 +36,8 @@ for i in $(seq 0 $((SLOTS - 1))); do
   name="$(printf 'agentfly-sb%03d' "$i")"
   if ! getent passwd "$name" >/dev/null; then
     # Outside the login range on purpose (useradd warns about that); no home, no shell, no password.
-    useradd -M -N -g agentfly-sb -d /nonexistent -s /usr/sbin/nologin -u $((UID_BASE + i)) "$name" 2>/dev/null \
+    useradd -M -N -g agentfly-sb -d /nonexistent -s /usr/sbin/nologin -u $((UID_BASE + i)) "$name" \
+      2>/dev/null \
       || { log "could not create user $name (uid $((UID_BASE + i)) taken?); set SANDBOX_UID_BASE"; exit 1; }
     created=$((created + 1))
   fi

@@ -4,6 +4,7 @@ An environment is a long-lived, stateful object owned by the `ResourceManager`: 
 `reset(task)` and `step(action)` across its turns, and releases it; the manager then resets it, checks
 `health()` and either keeps it warm for the next chain or destroys it.
 """
+
 from __future__ import annotations
 
 import abc

@@ -17,6 +17,7 @@
 - Idle instances above `min_size` are destroyed after `idle_timeout` seconds.
 - Cancellation and exceptions inside `async with` always release; `await manager.close()` destroys all.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,7 @@ class EnvironmentCreationError(RuntimeError):
 
 
 def resolve_factory(factory: Any) -> Callable[..., Any]:
-    """Returns a callable for `factory`: a callable, or a "package.module:attr" / "package.module.attr" path."""
+    """A callable for `factory`: a callable, or an import path ("package.module:attr" or "....attr")."""
     if callable(factory):
         return factory
     if not isinstance(factory, str) or not factory:
@@ -60,7 +61,9 @@ def resolve_factory(factory: Any) -> Callable[..., Any]:
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"pool factory {factory!r} cannot be imported ({e}); check the module path and name") from e
+        raise ValueError(
+            f"pool factory {factory!r} cannot be imported ({e}); check the module path and name"
+        ) from e
     if not callable(obj):
         raise TypeError(f"pool factory {factory!r} resolves to {obj!r}, which is not callable")
     return obj
@@ -193,8 +196,9 @@ class _Acquire:
 class ResourceManager:
     """Named pools of environment instances; see the module docstring."""
 
-    def __init__(self, pools: Mapping[str, PoolConfig | Mapping[str, Any]] | None = None, *,
-                 reap_interval: float = 1.0):
+    def __init__(
+        self, pools: Mapping[str, PoolConfig | Mapping[str, Any]] | None = None, *, reap_interval: float = 1.0
+    ):
         if reap_interval <= 0:
             raise ValueError(f"reap_interval={reap_interval}; expected positive seconds")
         if pools is not None and hasattr(pools, "to_dict"):
@@ -255,8 +259,12 @@ class ResourceManager:
 
     async def close(self) -> None:
         """Destroys every instance (idle, in use or being recycled) and fails pending acquires; idempotent."""
-        if self._closed and not self._tasks and not self._destroys and not any(
-                p.entries for p in self._pools.values()):
+        if (
+            self._closed
+            and not self._tasks
+            and not self._destroys
+            and not any(p.entries for p in self._pools.values())
+        ):
             return
         self._closed = True
         if self._reaper is not None:
@@ -265,7 +273,9 @@ class ResourceManager:
             while pool.waiters:
                 waiter = pool.waiters.popleft()
                 if not waiter.done():
-                    waiter.set_exception(PoolClosedError(f"pool {pool.name!r}: the resource manager was closed"))
+                    waiter.set_exception(
+                        PoolClosedError(f"pool {pool.name!r}: the resource manager was closed")
+                    )
             for lease in pool.leases.values():
                 if lease.task is not None and not lease.task.done():
                     lease.task.cancel()
@@ -308,7 +318,7 @@ class ResourceManager:
             lease = _Lease(key)
             pool.leases[key] = lease
             lease.task = asyncio.get_running_loop().create_task(self._obtain(pool, lease))
-            lease.task.add_done_callback(lambda t, p=pool, l=lease: self._obtained(p, l, t))
+            lease.task.add_done_callback(lambda t, p=pool, held=lease: self._obtained(p, held, t))
         lease.refcount += 1
         if lease.entry is not None:
             return lease, lease.entry.env
@@ -318,9 +328,11 @@ class ResourceManager:
         except asyncio.TimeoutError:
             # Numbers are taken before this acquirer leaves the queue, so they include it.
             message = (
-                f"pool {pool.name!r}: no environment within {timeout:g} s while {lease.phase} (size {pool.size}/"
+                f"pool {pool.name!r}: no environment within {timeout:g} s while {lease.phase} "
+                f"(size {pool.size}/"
                 f"{pool.config.max_size}, {pool.count('in_use')} in use, {pool.n_waiting()} waiting); raise "
-                f"max_size or acquire_timeout for this pool, or have chains release environments sooner")
+                f"max_size or acquire_timeout for this pool, or have chains release environments sooner"
+            )
             self._drop(pool, lease)
             pool.counters["timeouts"] += 1
             raise PoolTimeoutError(message) from None
@@ -432,7 +444,8 @@ class ResourceManager:
             what = "timed out" if isinstance(e, asyncio.TimeoutError) else f"failed ({e!r})"
             raise EnvironmentCreationError(
                 f"pool {pool.name!r}: creating an environment {what}; check the pool's factory "
-                f"{getattr(config.factory, '__qualname__', config.factory)!s} and its kwargs") from e
+                f"{getattr(config.factory, '__qualname__', config.factory)!s} and its kwargs"
+            ) from e
         pool.creating -= 1
         entry = _Entry(env)
         pool.entries.add(entry)
@@ -445,7 +458,7 @@ class ResourceManager:
         except EnvironmentCreationError:
             # Counted and logged; the reaper tries again after a back-off that doubles up to a minute.
             pool.fill_failures += 1
-            pool.fill_backoff_until = time.monotonic() + min(60.0, 0.5 * 2 ** pool.fill_failures)
+            pool.fill_backoff_until = time.monotonic() + min(60.0, 0.5 * 2**pool.fill_failures)
             return
         pool.fill_failures = 0
         self._make_idle(pool, entry)
@@ -463,8 +476,11 @@ class ResourceManager:
             if config.reset_on_release:
                 await asyncio.wait_for(maybe_await(env.reset()), config.reset_timeout)
             health = getattr(env, "health", None)
-            healthy = True if health is None else bool(
-                await asyncio.wait_for(maybe_await(health()), config.reset_timeout))
+            healthy = (
+                True
+                if health is None
+                else bool(await asyncio.wait_for(maybe_await(health()), config.reset_timeout))
+            )
             if not healthy:
                 pool.counters["unhealthy"] += 1
                 log.warning("pool %r: environment %r failed its health check; destroying it", pool.name, env)
@@ -597,6 +613,8 @@ class ResourceManager:
             "acquires": c["acquires"],
             "acquire_latency_s": {
                 "mean": sum(lat) / len(lat) if lat else 0.0,
-                "p50": pct(0.5), "p99": pct(0.99), "max": lat[-1] if lat else 0.0,
+                "p50": pct(0.5),
+                "p99": pct(0.99),
+                "max": lat[-1] if lat else 0.0,
             },
         }

@@ -3,7 +3,13 @@
 The `code_interpreter` tool and the `code_unit_tests` reward (decorated for the agent runtime) live in
 `environments.code_interpreter.tools` and `environments.code_interpreter.rewards`.
 """
-from environments.code_interpreter.env import CodeInterpreterEnv, extract_code, format_observation, truncate_middle
+
+from environments.code_interpreter.env import (
+    CodeInterpreterEnv,
+    extract_code,
+    format_observation,
+    truncate_middle,
+)
 from environments.code_interpreter.unit_tests import build_test_program, run_unit_tests
 
 #: Resource-manager pool config for this environment (override any field in the experiment config).
@@ -16,5 +22,12 @@ POOL_CONFIG = {
     "acquire_timeout": 300.0,
 }
 
-__all__ = ["CodeInterpreterEnv", "extract_code", "format_observation", "truncate_middle", "build_test_program",
-           "run_unit_tests", "POOL_CONFIG"]
+__all__ = [
+    "CodeInterpreterEnv",
+    "extract_code",
+    "format_observation",
+    "truncate_middle",
+    "build_test_program",
+    "run_unit_tests",
+    "POOL_CONFIG",
+]

@@ -11,6 +11,7 @@ agentfly_jax.envs.sandbox) and lives until reset/close. A cell that runs past `t
 (state kept); one that ignores the interrupt, or crashes the interpreter (e.g. the memory limit), ends the
 session: the observation says so and the next step starts a fresh one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,11 +54,15 @@ def format_observation(cell: CellResult, *, timeout: float, max_chars: int) -> s
     if cell.value is not None:
         parts.append(f"Out: {cell.value}")
     if cell.timed_out and not cell.restarted:
-        parts.append(f"[timeout] The code ran longer than {timeout:g} s and was interrupted. Variables set "
-                     f"before the interruption are kept.")
+        parts.append(
+            f"[timeout] The code ran longer than {timeout:g} s and was interrupted. Variables set "
+            f"before the interruption are kept."
+        )
     if cell.restarted:
-        parts.append(f"[session restarted] {cell.crash[:1].upper() + cell.crash[1:]}. Variables and imports "
-                     f"from earlier calls are lost; the next call starts a fresh Python session.")
+        parts.append(
+            f"[session restarted] {cell.crash[:1].upper() + cell.crash[1:]}. Variables and imports "
+            f"from earlier calls are lost; the next call starts a fresh Python session."
+        )
     text = "\n".join(parts) if parts else "(no output)"
     return truncate_middle(text, max_chars)
 
@@ -71,8 +76,14 @@ class CodeInterpreterEnv(Environment):
     max_output_chars: observation size cap (stdout and stderr are each also capped in the sandbox).
     """
 
-    def __init__(self, backend: str = "bwrap", *, timeout: float = 10.0, max_output_chars: int = 4000,
-                 sandbox: Any = None):
+    def __init__(
+        self,
+        backend: str = "bwrap",
+        *,
+        timeout: float = 10.0,
+        max_output_chars: int = 4000,
+        sandbox: Any = None,
+    ):
         if not timeout > 0:
             raise ValueError(f"timeout={timeout!r}; expected positive seconds")
         if max_output_chars < 100:
@@ -110,18 +121,28 @@ class CodeInterpreterEnv(Environment):
                 self.stats["sandbox_errors"] += 1
                 self._broken = str(e)
                 log.warning("code interpreter: could not start a sandbox session: %s", e)
-                return StepResult(observation=f"[sandbox error] The code could not be run: {e}",
-                                  info={"sandbox_error": str(e)})
-        cell = await self._session.run_cell(code, timeout=self.timeout,
-                                            max_output_bytes=max(4 * self.max_output_chars, 4096))
+                return StepResult(
+                    observation=f"[sandbox error] The code could not be run: {e}",
+                    info={"sandbox_error": str(e)},
+                )
+        cell = await self._session.run_cell(
+            code, timeout=self.timeout, max_output_bytes=max(4 * self.max_output_chars, 4096)
+        )
         self.stats["cells"] += 1
         self.stats["timeouts"] += cell.timed_out
         if cell.restarted:
             self.stats["restarts"] += 1
             self._session = None
         observation = format_observation(cell, timeout=self.timeout, max_chars=self.max_output_chars)
-        info = {"stdout": cell.stdout, "stderr": cell.stderr, "value": cell.value, "error": cell.error,
-                "timed_out": cell.timed_out, "restarted": cell.restarted, "elapsed_s": cell.elapsed_s}
+        info = {
+            "stdout": cell.stdout,
+            "stderr": cell.stderr,
+            "value": cell.value,
+            "error": cell.error,
+            "timed_out": cell.timed_out,
+            "restarted": cell.restarted,
+            "elapsed_s": cell.elapsed_s,
+        }
         return StepResult(observation=observation, reward=None, done=False, info=info)
 
     async def health(self) -> bool:

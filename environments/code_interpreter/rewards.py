@@ -1,4 +1,5 @@
 """The `code_unit_tests` reward: 1.0 when the final answer's code passes the task's unit tests."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """The `code_interpreter` tool: runs Python in the calling chain's persistent sandboxed session."""
+
 from __future__ import annotations
 
 from agentfly_jax.tools import tool
@@ -7,7 +8,7 @@ from environments.code_interpreter.env import CodeInterpreterEnv
 
 @tool(name="code_interpreter", stateful=True, pool="code_interpreter")
 async def code_interpreter(code: str, env: CodeInterpreterEnv) -> str:
-    """Run Python code in a persistent session (variables and imports are kept between calls, like a notebook).
+    """Run Python code in a persistent session (variables and imports persist between calls, like a notebook).
     Returns what the code printed, any error, and the value of the last expression.
 
     Args:

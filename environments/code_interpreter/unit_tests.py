@@ -3,6 +3,7 @@
 A HumanEval-style row has `prompt` (signature + docstring), `test` (a program defining `check(candidate)`)
 and `entry_point` (the function name). MBPP-style rows with `test_list` (assert statements) work too.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,12 +29,15 @@ def build_test_program(completion: str, task: Mapping[str, Any]) -> str:
     if "test_list" in task:
         setup = task.get("test_setup_code", "") or ""
         return "\n\n".join([setup, code, *task["test_list"]]) + "\n"
-    raise ValueError("task has neither 'test' + 'entry_point' (HumanEval-style) nor 'test_list' (MBPP-style); "
-                     f"its keys are {sorted(task)}")
+    raise ValueError(
+        "task has neither 'test' + 'entry_point' (HumanEval-style) nor 'test_list' (MBPP-style); "
+        f"its keys are {sorted(task)}"
+    )
 
 
-async def run_unit_tests(completion: str, task: Mapping[str, Any], *, backend: str = "bwrap",
-                         timeout: float = 10.0) -> dict[str, Any]:
+async def run_unit_tests(
+    completion: str, task: Mapping[str, Any], *, backend: str = "bwrap", timeout: float = 10.0
+) -> dict[str, Any]:
     """Runs the task's tests against `completion` in a fresh sandbox.
 
     Returns {"reward": 1.0 or 0.0, "passed", "timed_out", "exit_code", "error"} where `error` is the tail of
@@ -41,5 +45,10 @@ async def run_unit_tests(completion: str, task: Mapping[str, Any], *, backend: s
     """
     result = await run_python(build_test_program(completion, task), backend=backend, timeout=timeout)
     passed = result.ok
-    return {"reward": 1.0 if passed else 0.0, "passed": passed, "timed_out": result.timed_out,
-            "exit_code": result.exit_code, "error": None if passed else result.stderr[-1000:]}
+    return {
+        "reward": 1.0 if passed else 0.0,
+        "passed": passed,
+        "timed_out": result.timed_out,
+        "exit_code": result.exit_code,
+        "error": None if passed else result.stderr[-1000:],
+    }

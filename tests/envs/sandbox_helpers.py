@@ -3,6 +3,7 @@
 Docker tests run against a real daemon (the test command's setup starts one). When the daemon or the
 image is missing they FAIL with the reason; set AGENTFLY_SKIP_DOCKER_TESTS=1 to skip them on purpose.
 """
+
 import asyncio
 import os
 import time
@@ -45,12 +46,14 @@ async def _ready(backend):
 def sandbox_processes() -> dict:
     """{pid: uid} of processes running as any bwrap sandbox uid."""
     from agentfly_jax.envs.sandbox.bwrap import processes_of_uids, sandbox_uids
+
     return processes_of_uids(uid for uid, _ in sandbox_uids())
 
 
 def our_containers() -> list:
     """Sandbox containers owned by this test process."""
     from agentfly_jax.envs.sandbox.docker_backend import _owner, sandbox_containers
+
     return [c for c in sandbox_containers() if c["owner"] == _owner()]
 
 

@@ -1,4 +1,5 @@
 """The short version of scripts/bench_envs.py runs end to end and reports sane figures."""
+
 import json
 import os
 import pathlib
@@ -16,8 +17,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_bench_envs_quick(tmp_path):
     backends = ["bwrap"] if os.environ.get(SKIP_DOCKER_ENV) == "1" else ["bwrap", "docker"]
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_envs.py", "--quick", "--backends", *backends,
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_envs.py", "--quick", "--backends", *backends, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert "manager  100 chains" in proc.stdout and results["machine"].startswith("CPU (")

@@ -1,5 +1,6 @@
 """Leak tests: 100 chains cancelled in the middle of executing code leave 0 sandbox processes and, once the
 sandbox is closed, 0 containers; the same for 100 cancelled one-shot runs."""
+
 import asyncio
 
 import pytest
@@ -29,8 +30,16 @@ async def wait_for_count(items, target, timeout):
 
 
 async def cancel_chains_mid_cell(backend):
-    manager = ResourceManager({"code": {"factory": CodeInterpreterEnv, "max_size": CHAINS, "acquire_timeout": 120,
-                                        "kwargs": {"backend": backend, "timeout": 60.0}}})
+    manager = ResourceManager(
+        {
+            "code": {
+                "factory": CodeInterpreterEnv,
+                "max_size": CHAINS,
+                "acquire_timeout": 120,
+                "kwargs": {"backend": backend, "timeout": 60.0},
+            }
+        }
+    )
     executing = set()
 
     async def chain(i):
@@ -53,8 +62,12 @@ async def cancel_chains_mid_cell(backend):
 
 
 async def cancel_runs_mid_execution(backend):
-    tasks = [asyncio.create_task(run_python(f"print({i}, flush=True)\nwhile True:\n    pass", backend=backend,
-                                            timeout=60.0)) for i in range(CHAINS)]
+    tasks = [
+        asyncio.create_task(
+            run_python(f"print({i}, flush=True)\nwhile True:\n    pass", backend=backend, timeout=60.0)
+        )
+        for i in range(CHAINS)
+    ]
     await asyncio.sleep(3.0)
     assert not any(t.done() for t in tasks)
     for task in tasks:

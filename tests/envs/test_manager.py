@@ -1,11 +1,19 @@
 """ResourceManager: reuse by key, reset on release, unhealthy replaced, full pool waits then times out,
 metrics, cancellation/exception safety, idle reaping, close."""
+
 import asyncio
 
 import pytest
 
-from agentfly_jax.envs import (Environment, EnvironmentCreationError, PoolClosedError, PoolConfig,
-                               PoolTimeoutError, ResourceManager, StepResult)
+from agentfly_jax.envs import (
+    Environment,
+    EnvironmentCreationError,
+    PoolClosedError,
+    PoolConfig,
+    PoolTimeoutError,
+    ResourceManager,
+    StepResult,
+)
 
 
 class CountingEnv(Environment):
@@ -70,6 +78,7 @@ def test_same_key_gets_same_instance_and_other_keys_do_not():
                 assert a.steps == 1 and a.resets == 0
             await settle(m, "p", idle=2, in_use=0)
             assert m.metrics("p")["created"] == 2
+
     run(main())
 
 
@@ -80,13 +89,16 @@ def test_concurrent_acquires_of_one_key_create_one_instance():
             return CountingEnv()
 
         async with ResourceManager({"p": {"factory": slow_factory, "max_size": 8}}) as m:
+
             async def use():
                 async with m.acquire("p", "chain") as env:
                     await asyncio.sleep(0.01)
                     return env
+
             envs = await asyncio.gather(*(use() for _ in range(10)))
             assert len({id(e) for e in envs}) == 1
             assert m.metrics("p")["created"] == 1
+
     run(main())
 
 
@@ -102,6 +114,7 @@ def test_release_resets_and_instance_is_reused_by_the_next_chain():
             async with m.acquire("p", "chain-2") as env2:
                 assert env2 is env
             assert m.metrics("p")["created"] == 1
+
     run(main())
 
 
@@ -114,6 +127,7 @@ def test_unhealthy_instance_is_destroyed_and_replaced():
             assert env.closed and m2["unhealthy"] == 1 and m2["in_use"] == 0
             async with m.acquire("p", "d") as env2:
                 assert env2 is not env and env2.healthy
+
     run(main())
 
 
@@ -126,6 +140,7 @@ def test_reset_failure_is_counted_and_the_instance_destroyed():
             assert env.closed and metrics["failures"] == 1 and metrics["size"] == 0
             async with m.acquire("p") as env2:  # capacity came back
                 assert env2 is not env
+
     run(main())
 
 
@@ -157,6 +172,7 @@ def test_full_pool_waits_then_times_out_with_a_clear_error():
         assert order == ["w0", "w1", "w2"]
         assert m.metrics("p")["created"] == 1
         await m.close()
+
     run(main())
 
 
@@ -179,6 +195,7 @@ def test_metrics_count_everything():
             assert metrics["acquires"] == 4
             lat = metrics["acquire_latency_s"]
             assert 0 <= lat["p50"] <= lat["p99"] <= lat["max"] and lat["max"] >= 0.04  # one waited ≥ 50 ms
+
     run(main())
 
 
@@ -207,6 +224,7 @@ def test_cancellation_and_exceptions_always_release():
                     raise ValueError("tool crashed")
             await settle(m, "p", in_use=0, idle=1)
             assert m.metrics("p")["created"] == 1
+
     run(main())
 
 
@@ -227,6 +245,7 @@ def test_factory_failure_is_reported_and_does_not_leak_capacity():
             assert m.metrics("p")["failures"] == 1 and m.metrics("p")["size"] == 0
             async with m.acquire("p") as env:
                 assert isinstance(env, CountingEnv)
+
     run(main())
 
 
@@ -241,6 +260,7 @@ def test_idle_instances_are_reaped_above_min_size():
             assert metrics["reaped"] == 2
             await asyncio.sleep(0.2)
             assert m.metrics("p")["idle"] == 1  # min_size is never reaped
+
     run(main())
 
 
@@ -261,12 +281,14 @@ def test_close_destroys_everything_and_fails_pending_acquires():
         with pytest.raises(PoolClosedError, match="closed"):
             async with m.acquire("p"):
                 pass
+
     run(main())
 
 
 def test_config_from_dicts_and_import_paths():
-    cfg = PoolConfig.from_dict({"factory": "tests.envs.test_manager:CountingEnv", "kwargs": {"tag": "t"},
-                                "max_size": 2})
+    cfg = PoolConfig.from_dict(
+        {"factory": "tests.envs.test_manager:CountingEnv", "kwargs": {"tag": "t"}, "max_size": 2}
+    )
     assert cfg.factory is CountingEnv and cfg.kwargs == {"tag": "t"}
     with pytest.raises(ValueError, match="unknown pool config keys \\['max'\\]"):
         PoolConfig.from_dict({"factory": CountingEnv, "max": 3})
@@ -286,6 +308,7 @@ def test_retired_instance_is_destroyed_quietly(caplog):
             metrics = await settle(m, "p", destroyed=1)
             assert env.closed and env.resets == 0
             assert (metrics["retired"], metrics["unhealthy"], metrics["failures"]) == (1, 0, 0)
+
     with caplog.at_level("WARNING"):
         run(main())
     assert not caplog.records

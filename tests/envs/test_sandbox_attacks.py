@@ -1,5 +1,6 @@
 """Attacks on run_python, on both backends: each must end with a clear result within its limit + 2 s, and
 leave the host untouched (no process left, no file written, no connection made, secrets unread)."""
+
 import os
 import shutil
 import socket
@@ -38,9 +39,7 @@ def test_infinite_loop_is_killed_at_the_timeout(loop, backend):
 
 
 def test_memory_hog_gets_memory_error(loop, backend):
-    code = ("chunks = []\n"
-            "while True:\n"
-            "    chunks.append(bytearray(64 * 2**20))\n")
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 2**20))\n"
     result = run(loop, code, backend, timeout=10.0)
     assert not result.timed_out and result.exit_code == 1
     assert "MemoryError" in result.stderr
@@ -49,28 +48,25 @@ def test_memory_hog_gets_memory_error(loop, backend):
 
 
 def test_fork_bomb_hits_the_process_limit_and_is_killed(loop, backend):
-    bounded = ("import os, time\n"
-               "n = 0\n"
-               "while True:\n"
-               "    try:\n"
-               "        pid = os.fork()\n"
-               "    except OSError as e:\n"
-               "        print('fork refused after', n, 'children:', e.strerror, flush=True)\n"
-               "        break\n"
-               "    if pid == 0:\n"
-               "        time.sleep(60)\n"
-               "        os._exit(0)\n"
-               "    n += 1\n")
+    bounded = (
+        "import os, time\n"
+        "n = 0\n"
+        "while True:\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError as e:\n"
+        "        print('fork refused after', n, 'children:', e.strerror, flush=True)\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+    )
     result = run(loop, bounded, backend, timeout=10.0)
     assert "fork refused after" in result.stdout and "Resource temporarily unavailable" in result.stdout
     children = int(result.stdout.split("after")[1].split()[0])
     assert children < 64  # SandboxLimits.max_processes
-    bomb = ("import os\n"
-            "while True:\n"
-            "    try:\n"
-            "        os.fork()\n"
-            "    except OSError:\n"
-            "        pass\n")
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     result = run(loop, bomb, backend, timeout=2.0)
     assert result.timed_out and "timed out" in result.stderr
     host = subprocess.run(["true"], timeout=5)  # the host can still start processes
@@ -108,18 +104,20 @@ def test_network_connect_to_a_host_listener_fails(loop, backend):
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    code = ("import socket\n"
-            f"for host in ('127.0.0.1', {_host_address()!r}, '172.17.0.1'):\n"
-            "    try:\n"
-            f"        socket.create_connection((host, {port}), timeout=1).close()\n"
-            "        print('CONNECTED', host)\n"
-            "    except OSError as e:\n"
-            "        print('blocked', host, type(e).__name__)\n"
-            "try:\n"
-            "    socket.getaddrinfo('pypi.org', 443)\n"
-            "    print('RESOLVED')\n"
-            "except OSError as e:\n"
-            "    print('no dns', type(e).__name__)\n")
+    code = (
+        "import socket\n"
+        f"for host in ('127.0.0.1', {_host_address()!r}, '172.17.0.1'):\n"
+        "    try:\n"
+        f"        socket.create_connection((host, {port}), timeout=1).close()\n"
+        "        print('CONNECTED', host)\n"
+        "    except OSError as e:\n"
+        "        print('blocked', host, type(e).__name__)\n"
+        "try:\n"
+        "    socket.getaddrinfo('pypi.org', 443)\n"
+        "    print('RESOLVED')\n"
+        "except OSError as e:\n"
+        "    print('no dns', type(e).__name__)\n"
+    )
     try:
         result = run(loop, code, backend, timeout=10.0)
     finally:
@@ -135,12 +133,14 @@ def test_secret_files_cannot_be_read(loop, backend, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2-do-not-leak")
     secret.chmod(0o600)
-    code = ("import os\n"
-            f"for path in ({str(secret)!r}, '/proc/1/root{secret}', '/etc/shadow', '/root/.bash_history'):\n"
-            "    try:\n"
-            "        print('READ', path, open(path).read())\n"
-            "    except OSError as e:\n"
-            "        print('denied', path, type(e).__name__)\n")
+    code = (
+        "import os\n"
+        f"for path in ({str(secret)!r}, '/proc/1/root{secret}', '/etc/shadow', '/root/.bash_history'):\n"
+        "    try:\n"
+        "        print('READ', path, open(path).read())\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, type(e).__name__)\n"
+    )
     result = run(loop, code, backend, timeout=10.0)
     assert "hunter2" not in result.stdout + result.stderr
     assert "READ" not in result.stdout and result.stdout.count("denied") == 4
@@ -149,14 +149,16 @@ def test_secret_files_cannot_be_read(loop, backend, tmp_path):
 def test_writing_outside_the_sandbox_fails(loop, backend, tmp_path):
     tmp_path.chmod(0o777)  # even a world-writable host directory must stay out of reach
     targets = [str(tmp_path / "pwned"), "/usr/pwned", "/etc/pwned", "/pwned", "/dev/pwned"]
-    code = ("for path in %r:\n"
-            "    try:\n"
-            "        open(path, 'w').write('x')\n"
-            "        print('WROTE', path)\n"
-            "    except OSError as e:\n"
-            "        print('denied', path, type(e).__name__)\n"
-            "open('/tmp/fine', 'w').write('tmp is the private scratch space')\n"
-            "print('tmp ok')\n") % (targets,)
+    code = (
+        "for path in %r:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "        print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('denied', path, type(e).__name__)\n"
+        "open('/tmp/fine', 'w').write('tmp is the private scratch space')\n"
+        "print('tmp ok')\n"
+    ) % (targets,)
     result = run(loop, code, backend, timeout=10.0)
     assert "WROTE" not in result.stdout and result.stdout.count("denied") == len(targets)
     assert "tmp ok" in result.stdout
@@ -166,16 +168,18 @@ def test_writing_outside_the_sandbox_fails(loop, backend, tmp_path):
 
 def test_filling_the_disk_stops_at_the_tmp_limit(loop, backend):
     before = shutil.disk_usage("/").used
-    code = ("import os\n"
-            "written = 0\n"
-            "try:\n"
-            "    for i in range(10_000):\n"
-            "        with open(f'/tmp/fill{i}', 'wb') as f:\n"
-            "            for _ in range(8):\n"
-            "                f.write(b'x' * 2**20)\n"
-            "                written += 2**20\n"
-            "except OSError as e:\n"
-            "    print('stopped after', written // 2**20, 'MiB:', e.strerror)\n")
+    code = (
+        "import os\n"
+        "written = 0\n"
+        "try:\n"
+        "    for i in range(10_000):\n"
+        "        with open(f'/tmp/fill{i}', 'wb') as f:\n"
+        "            for _ in range(8):\n"
+        "                f.write(b'x' * 2**20)\n"
+        "                written += 2**20\n"
+        "except OSError as e:\n"
+        "    print('stopped after', written // 2**20, 'MiB:', e.strerror)\n"
+    )
     result = run(loop, code, backend, timeout=10.0)
     assert "stopped after" in result.stdout, result
     assert "No space left on device" in result.stdout or "File too large" in result.stdout

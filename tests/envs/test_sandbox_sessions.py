@@ -1,4 +1,5 @@
 """Persistent sessions on both backends: state, interrupts, hard kills, crashes, capped output."""
+
 import time
 
 import pytest
@@ -23,8 +24,14 @@ def cell(loop, session, code, timeout=5.0, **kwargs):
 
 def test_state_output_values_and_errors(loop, session):
     assert cell(loop, session, "import math\nradius = 2").value is None
-    result = cell(loop, session, "print('area'); import sys; print('warn', file=sys.stderr)\nmath.pi * radius ** 2")
-    assert result.stdout == "area\n" and result.stderr == "warn\n" and result.value == repr(3.141592653589793 * 4)
+    result = cell(
+        loop, session, "print('area'); import sys; print('warn', file=sys.stderr)\nmath.pi * radius ** 2"
+    )
+    assert (
+        result.stdout == "area\n"
+        and result.stderr == "warn\n"
+        and result.value == repr(3.141592653589793 * 4)
+    )
     result = cell(loop, session, "def f(x):\n    return 1 / x\nf(0)")
     assert result.error.startswith("Traceback") and "ZeroDivisionError" in result.error
     assert "return 1 / x" in result.error  # tracebacks show the cell's own lines
@@ -32,7 +39,9 @@ def test_state_output_values_and_errors(loop, session):
     assert "SyntaxError" in cell(loop, session, "def (").error
     assert "SystemExit" in cell(loop, session, "raise SystemExit(2)").error
     assert cell(loop, session, "radius + 1").value == "3"  # still alive, state kept
-    import_child = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'print(\"from a child\")'])\nNone"
+    import_child = (
+        "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'print(\"from a child\")'])\nNone"
+    )
     assert cell(loop, session, import_child).stdout == "from a child\n"
 
 
@@ -78,6 +87,13 @@ def test_output_is_capped_head_and_tail(loop, session):
 
 
 def test_writing_into_the_control_channel_ends_only_this_session(loop, session):
-    code = "import os\nfor fd in range(3, 12):\n    try:\n        os.write(fd, b'not json\\n')\n    except OSError:\n        pass"
+    code = (
+        "import os\n"
+        "for fd in range(3, 12):\n"
+        "    try:\n"
+        "        os.write(fd, b'not json\\n')\n"
+        "    except OSError:\n"
+        "        pass"
+    )
     result = cell(loop, session, code)
     assert result.restarted and "unreadable" in result.crash

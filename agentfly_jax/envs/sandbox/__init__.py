@@ -15,6 +15,7 @@ Each backend has a default instance (`get_sandbox`), configured with `configure_
 before first use; a bwrap sandbox is shared by every event loop of the process, a Docker sandbox (its pool of
 warm containers) belongs to one event loop. `await close_sandboxes()` releases this loop's sandboxes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,14 +23,30 @@ import atexit
 import threading
 from typing import Any
 
-from agentfly_jax.envs.sandbox.common import (CellResult, ExecResult, SandboxError, SandboxLimits,
-                                              SandboxUnavailable)
+from agentfly_jax.envs.sandbox.common import (
+    CellResult,
+    ExecResult,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+)
 from agentfly_jax.envs.sandbox.session import PythonSession
 
 BACKENDS = ("bwrap", "docker")
 
-__all__ = ["run_python", "get_sandbox", "configure_sandbox", "close_sandboxes", "ExecResult", "CellResult",
-           "SandboxLimits", "SandboxError", "SandboxUnavailable", "PythonSession", "BACKENDS"]
+__all__ = [
+    "run_python",
+    "get_sandbox",
+    "configure_sandbox",
+    "close_sandboxes",
+    "ExecResult",
+    "CellResult",
+    "SandboxLimits",
+    "SandboxError",
+    "SandboxUnavailable",
+    "PythonSession",
+    "BACKENDS",
+]
 
 _lock = threading.Lock()
 _options: dict[str, dict[str, Any]] = {"bwrap": {}, "docker": {}}
@@ -60,6 +77,7 @@ def get_sandbox(backend: str = "bwrap"):
         with _lock:
             if _bwrap is None:
                 from agentfly_jax.envs.sandbox.bwrap import BwrapSandbox
+
                 _bwrap = BwrapSandbox(**_options["bwrap"])
             return _bwrap
     loop = asyncio.get_running_loop()
@@ -68,6 +86,7 @@ def get_sandbox(backend: str = "bwrap"):
             _docker.pop(stale).close_sync()
         if loop not in _docker:
             from agentfly_jax.envs.sandbox.docker_backend import DockerSandbox
+
             _docker[loop] = DockerSandbox(**_options["docker"])
         return _docker[loop]
 

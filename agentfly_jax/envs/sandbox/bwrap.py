@@ -15,6 +15,7 @@ of its uid is left; otherwise the uid is quarantined.
 Slots are process-global and independent of the event loop; across processes, a lock file per uid keeps
 two processes from using one uid at the same time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,16 @@ import tempfile
 import threading
 import time
 
-from agentfly_jax.envs.sandbox.common import (INSIDE_SOURCE, MiB, CappedBuffer, ExecResult, SandboxError,
-                                              SandboxLimits, SandboxUnavailable, describe_exit)
+from agentfly_jax.envs.sandbox.common import (
+    INSIDE_SOURCE,
+    MiB,
+    CappedBuffer,
+    ExecResult,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+    describe_exit,
+)
 from agentfly_jax.envs.sandbox.session import PythonSession, Transport
 
 log = logging.getLogger(__name__)
@@ -39,8 +48,9 @@ log = logging.getLogger(__name__)
 #: Sandbox users are the accounts whose name starts with this (created by scripts/setup_sandbox.sh).
 SANDBOX_USER_PREFIX = "agentfly-sb"
 
-_ATTACH_TO_CGROUPS = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; ' \
-                     'exec "$@"'
+_ATTACH_TO_CGROUPS = (
+    'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+)
 
 
 def sandbox_uids() -> list[tuple[int, int]]:
@@ -140,8 +150,10 @@ class _UidAllocator:
         self._quarantined: set[int] = set()
         self._locks: dict[int, int] = {}
         self._waiters: collections.deque = collections.deque()
-        self._lock_dir = pathlib.Path("/run" if os.access("/run", os.W_OK) else tempfile.gettempdir()) \
+        self._lock_dir = (
+            pathlib.Path("/run" if os.access("/run", os.W_OK) else tempfile.gettempdir())
             / "agentfly-jax-sandbox"
+        )
 
     def _try_claim(self, candidates) -> tuple[int, int] | None:
         self._lock_dir.mkdir(mode=0o700, exist_ok=True)
@@ -243,12 +255,19 @@ class _Slot:
         self.proc: asyncio.subprocess.Process | None = None
         self.released = False
 
-    async def start(self, command: list[str], **kwargs) -> asyncio.subprocess.Process:
-        argv = self.sandbox._launch_argv(self.uid, self.gid, command)
+    async def start(
+        self, command: list[str], cpu_seconds: float | None = None, **kwargs
+    ) -> asyncio.subprocess.Process:
+        argv = self.sandbox._launch_argv(self.uid, self.gid, command, cpu_seconds=cpu_seconds)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True, **kwargs)
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                **kwargs,
+            )
         except OSError as e:
             raise SandboxError(f"could not start bubblewrap ({e}); run scripts/setup_sandbox.sh") from e
         return self.proc
@@ -362,9 +381,16 @@ class BwrapSandbox:
     slot_timeout: seconds to wait for a free sandbox uid when all are busy.
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, *, python: str = "/usr/bin/python3",
-                 extra_ro_binds: tuple[str, ...] = (), slot_timeout: float = 120.0, use_cgroups: bool = True,
-                 bwrap: str = "bwrap"):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        python: str = "/usr/bin/python3",
+        extra_ro_binds: tuple[str, ...] = (),
+        slot_timeout: float = 120.0,
+        use_cgroups: bool = True,
+        bwrap: str = "bwrap",
+    ):
         self.limits = limits or SandboxLimits()
         self.python = python
         self.slot_timeout = slot_timeout
@@ -372,18 +398,21 @@ class BwrapSandbox:
         if self._bwrap is None:
             raise SandboxUnavailable(
                 "bubblewrap is not installed (no 'bwrap' on PATH); run scripts/setup_sandbox.sh as root "
-                "(or apt-get install bubblewrap), or use backend='docker'")
+                "(or apt-get install bubblewrap), or use backend='docker'"
+            )
         for tool in ("setpriv", "prlimit"):
             if shutil.which(tool) is None:
                 raise SandboxUnavailable(f"'{tool}' (util-linux) is missing; apt-get install util-linux")
         if os.geteuid() != 0:
             raise SandboxUnavailable(
-                "the bwrap backend starts each sandbox as its own unprivileged uid and must run as root to do "
-                "so; run as root or use backend='docker'")
+                "the bwrap backend starts each sandbox as its own unprivileged uid and must run as root "
+                "to do so; run as root or use backend='docker'"
+            )
         self.uids = sandbox_uids()
         if not self.uids:
             raise SandboxUnavailable(
-                f"no sandbox users ('{SANDBOX_USER_PREFIX}*') exist; run scripts/setup_sandbox.sh as root")
+                f"no sandbox users ('{SANDBOX_USER_PREFIX}*') exist; run scripts/setup_sandbox.sh as root"
+            )
         if not os.path.exists(python):
             raise SandboxUnavailable(f"sandbox interpreter {python} does not exist; pass python=...")
         self._cgroups = _Cgroups.detect() if use_cgroups else None
@@ -399,9 +428,22 @@ class BwrapSandbox:
 
     def _make_bwrap_args(self, extra_ro_binds) -> list[str]:
         lim = self.limits
-        args = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session", "--as-pid-1",
-                "--clearenv", "--cap-drop", "ALL", "--hostname", "sandbox",
-                "--ro-bind", "/usr", "/usr"]
+        args = [
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--as-pid-1",
+            "--clearenv",
+            "--cap-drop",
+            "ALL",
+            "--hostname",
+            "sandbox",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+        ]
         for top in ("bin", "sbin", "lib", "lib32", "lib64"):  # merged-/usr symlinks, or plain directories
             path = pathlib.Path("/") / top
             if path.is_symlink():
@@ -410,23 +452,58 @@ class BwrapSandbox:
                 args += ["--ro-bind", str(path), str(path)]
         for path in ("/etc/ld.so.cache", "/etc/localtime", *extra_ro_binds):
             args += ["--ro-bind-try", path, path]
-        args += ["--proc", "/proc", "--dev", "/dev",
-                 "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-                 "--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-                 "--remount-ro", "/dev", "--remount-ro", "/",
-                 "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
-                 "--setenv", "LANG", "C.UTF-8", "--chdir", "/tmp"]
+        args += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(lim.tmp_bytes),
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/dev/shm",
+            "--size",
+            str(lim.tmp_bytes),
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/tmp",
+            "--remount-ro",
+            "/dev",
+            "--remount-ro",
+            "/",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "TMPDIR",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--chdir",
+            "/tmp",
+        ]
         return args
 
-    def _launch_argv(self, uid: int, gid: int, command: list[str], cpu_seconds: float | None = None) -> list[str]:
+    def _launch_argv(
+        self, uid: int, gid: int, command: list[str], cpu_seconds: float | None = None
+    ) -> list[str]:
         lim = self.limits
         argv = []
         if self._cgroups is not None:
             procs = self._cgroups.prepare(uid, lim)
             argv += ["/bin/sh", "-c", _ATTACH_TO_CGROUPS, "sh", str(len(procs)), *procs]
         # Limits first, while still root (an unprivileged process cannot raise a hard limit), then the uid.
-        argv += ["prlimit", *(f"--{k}={v}" for k, v in lim.rlimits(nproc=True, cpu_seconds=cpu_seconds).items()),
-                 "--"]
+        argv += [
+            "prlimit",
+            *(f"--{k}={v}" for k, v in lim.rlimits(nproc=True, cpu_seconds=cpu_seconds).items()),
+            "--",
+        ]
         argv += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
         return argv + [self._bwrap, *self._bwrap_args, "--", *command]
 
@@ -437,7 +514,8 @@ class BwrapSandbox:
             raise SandboxError(
                 f"all {len(self.uids)} bwrap sandbox slots stayed busy for {self.slot_timeout:g} s; lower "
                 "concurrency, raise slot_timeout, or create more sandbox users (SANDBOX_SLOTS=N "
-                "scripts/setup_sandbox.sh)") from None
+                "scripts/setup_sandbox.sh)"
+            ) from None
         slot = _Slot(self, uid, gid)
         if not self._works:
             try:
@@ -456,9 +534,11 @@ class BwrapSandbox:
         if proc.returncode != 0:
             raise SandboxUnavailable(
                 f"bubblewrap could not start a sandbox here (exit status {proc.returncode}: "
-                f"{stderr.decode(errors='replace').strip()[-500:]}); the bwrap backend needs bubblewrap to work "
-                f"for unprivileged users (unprivileged user namespaces, sysctl user.max_user_namespaces > 0) and "
-                f"the setup of scripts/setup_sandbox.sh; or use backend='docker'")
+                f"{stderr.decode(errors='replace').strip()[-500:]}); the bwrap backend needs bubblewrap to "
+                f"work for unprivileged users (unprivileged user namespaces, sysctl "
+                f"user.max_user_namespaces > 0) and the setup of scripts/setup_sandbox.sh; or use "
+                f"backend='docker'"
+            )
         self._works = True
 
     async def run(self, code: str, timeout: float = 10.0) -> ExecResult:
@@ -470,17 +550,22 @@ class BwrapSandbox:
         timed_out = False
         start = time.monotonic()
         try:
-            proc = await slot.start([self.python, "-I", "-"])
+            # RLIMIT_CPU backs up the wall-clock kill: CPU time can never exceed the timeout by much.
+            proc = await slot.start([self.python, "-I", "-"], cpu_seconds=timeout + 1)
             try:
-                await asyncio.wait_for(self._communicate(proc, code.encode("utf-8", "surrogatepass"), out, err),
-                                       timeout)
+                await asyncio.wait_for(
+                    self._communicate(proc, code.encode("utf-8", "surrogatepass"), out, err), timeout
+                )
             except asyncio.TimeoutError:
                 timed_out = True
-                notes.append(f"[sandbox] timed out after {timeout:g} s; the process and all its children "
-                             f"were killed")
+                notes.append(
+                    f"[sandbox] timed out after {timeout:g} s; the process and all its children were killed"
+                )
             except _OutputFlood:
-                notes.append(f"[sandbox] output exceeded {self.limits.output_kill_bytes // MiB} MiB; the process "
-                             f"was killed")
+                notes.append(
+                    f"[sandbox] output exceeded {self.limits.output_kill_bytes // MiB} MiB; the process "
+                    f"was killed"
+                )
             await slot.release()
             exit_code = proc.returncode if proc.returncode is not None else 137
         except BaseException:
@@ -490,7 +575,9 @@ class BwrapSandbox:
         stderr = err.text()
         if notes:
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes) + "\n"
-        return ExecResult(stdout=out.text(), stderr=stderr, exit_code=exit_code, timed_out=timed_out, elapsed_s=elapsed)
+        return ExecResult(
+            stdout=out.text(), stderr=stderr, exit_code=exit_code, timed_out=timed_out, elapsed_s=elapsed
+        )
 
     async def _communicate(self, proc, data: bytes, out: CappedBuffer, err: CappedBuffer) -> None:
         kill_bytes = self.limits.output_kill_bytes
@@ -519,16 +606,18 @@ class BwrapSandbox:
             max_line = 16 * self.limits.max_output_bytes + (1 << 20)  # JSON-escaped head + tail of 2 streams
             proc = await slot.start(
                 [self.python, "-I", "-c", INSIDE_SOURCE, "session", self.limits.rlimits_json(nproc=True)],
-                limit=max_line)
+                limit=max_line,
+            )
         except BaseException:
             slot.release_soon()
             raise
         return PythonSession(_BwrapTransport(slot, proc), self.limits)
 
     async def close(self) -> None:
-        """Waits for background releases (runs and sessions release their slots themselves)."""
-        while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+        """Waits for this event loop's background releases (runs and sessions release their own slots)."""
+        loop = asyncio.get_running_loop()
+        while mine := [t for t in self._background if t.get_loop() is loop]:
+            await asyncio.gather(*mine, return_exceptions=True)
 
     def live_processes(self) -> dict[int, int]:
         """{pid: uid} of every process running as any sandbox uid (for checks and tests)."""

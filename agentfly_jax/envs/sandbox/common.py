@@ -1,4 +1,5 @@
 """Types shared by the sandbox backends: limits, results, errors and the capped output buffer."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,11 +48,18 @@ class SandboxLimits:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             if not getattr(self, field.name) > 0:
-                raise ValueError(f"SandboxLimits.{field.name}={getattr(self, field.name)!r}; must be positive")
+                raise ValueError(
+                    f"SandboxLimits.{field.name}={getattr(self, field.name)!r}; must be positive"
+                )
 
     def rlimits(self, *, nproc: bool, cpu_seconds: float | None = None) -> dict[str, int]:
-        """The rlimits inside the sandbox ({"as": ..., ...}); `nproc` only where the uid is the sandbox's own."""
-        limits = {"as": self.memory_bytes, "fsize": self.file_size_bytes, "nofile": self.open_files, "core": 0}
+        """The sandbox's rlimits ({"as": ..., ...}); `nproc` only where the uid is the sandbox's own."""
+        limits = {
+            "as": self.memory_bytes,
+            "fsize": self.file_size_bytes,
+            "nofile": self.open_files,
+            "core": 0,
+        }
         if nproc:
             limits["nproc"] = self.max_processes
         if cpu_seconds is not None:
@@ -130,10 +138,10 @@ class CappedBuffer:
         if data and self.tail_limit:
             self.tail += data
             if len(self.tail) > 2 * self.tail_limit:  # trim lazily: amortised O(1) per byte
-                del self.tail[:-self.tail_limit]
+                del self.tail[: -self.tail_limit]
 
     def text(self) -> str:
-        tail = bytes(self.tail[-self.tail_limit:]) if self.tail_limit else b""
+        tail = bytes(self.tail[-self.tail_limit :]) if self.tail_limit else b""
         dropped = self.total - len(self.head) - len(tail)
         body = bytes(self.head).decode("utf-8", "replace")
         if dropped > 0:

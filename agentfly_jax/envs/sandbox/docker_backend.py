@@ -16,6 +16,7 @@ when all containers are busy, and metrics, all from the manager. Exec output is 
 connection on the Docker socket with asyncio (no thread per running exec); container lifecycle calls use the
 Docker SDK in a small thread pool.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,16 @@ import time
 import urllib.parse
 
 from agentfly_jax.envs.manager import EnvironmentCreationError, PoolTimeoutError, ResourceManager
-from agentfly_jax.envs.sandbox.common import (INSIDE_SOURCE, MiB, CappedBuffer, ExecResult, SandboxError,
-                                              SandboxLimits, SandboxUnavailable, describe_exit)
+from agentfly_jax.envs.sandbox.common import (
+    INSIDE_SOURCE,
+    MiB,
+    CappedBuffer,
+    ExecResult,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+    describe_exit,
+)
 from agentfly_jax.envs.sandbox.session import PythonSession, Transport
 
 log = logging.getLogger(__name__)
@@ -95,9 +104,14 @@ class _ExecStream:
         else:
             raise SandboxUnavailable(f"Docker address {address!r} is not supported; use unix:// or tcp://")
         body = b'{"Detach": false, "Tty": false}'
-        writer.write((f"POST /v{api_version}/exec/{exec_id}/start HTTP/1.1\r\nHost: docker\r\n"
-                      f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
-                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        writer.write(
+            (
+                f"POST /v{api_version}/exec/{exec_id}/start HTTP/1.1\r\nHost: docker\r\n"
+                f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            + body
+        )
         await writer.drain()
         status = await reader.readline()
         while (await reader.readline()).strip():
@@ -106,7 +120,9 @@ class _ExecStream:
         if len(parts) < 2 or parts[1] not in (b"101", b"200"):
             detail = (await reader.read(4096)).decode(errors="replace")
             writer.close()
-            raise SandboxError(f"docker exec start failed: {status.decode(errors='replace').strip()} {detail}")
+            raise SandboxError(
+                f"docker exec start failed: {status.decode(errors='replace').strip()} {detail}"
+            )
         return cls(reader, writer)
 
     async def read_frame(self) -> tuple[int, bytes] | None:
@@ -128,8 +144,15 @@ class _ExecStream:
 class _DockerTransport(Transport):
     """A session running as a `docker exec` in a container it owns."""
 
-    def __init__(self, sandbox: "DockerSandbox", container: _Container, lease, stream: _ExecStream,
-                 exec_id: str, max_line: int):
+    def __init__(
+        self,
+        sandbox: "DockerSandbox",
+        container: _Container,
+        lease,
+        stream: _ExecStream,
+        exec_id: str,
+        max_line: int,
+    ):
         self.sandbox = sandbox
         self.container = container
         self.lease = lease
@@ -147,8 +170,8 @@ class _DockerTransport(Transport):
         while True:
             newline = self._buffer.find(b"\n")
             if newline >= 0:
-                line = bytes(self._buffer[:newline + 1])
-                del self._buffer[:newline + 1]
+                line = bytes(self._buffer[: newline + 1])
+                del self._buffer[: newline + 1]
                 return line
             if len(self._buffer) > self.max_line:
                 raise ValueError(f"a reply line exceeded {self.max_line} bytes")
@@ -169,14 +192,18 @@ class _DockerTransport(Transport):
         if self._terminated:
             return
         self._terminated = True
-        self.container.retired = True  # never reuse a session's container: its state and processes stay inside
+        self.container.retired = (
+            True  # never reuse a session's container: its state and processes stay inside
+        )
         self.stream.close()
         self.sandbox._spawn(self.lease.__aexit__(None, None, None))
 
     async def death_reason(self) -> str:
         code = await self.sandbox._exit_code(self.exec_id)
         try:
-            state = await self.sandbox._call(lambda: self.sandbox._client.api.inspect_container(self.container.id))
+            state = await self.sandbox._call(
+                lambda: self.sandbox._client.api.inspect_container(self.container.id)
+            )
             oom = bool(state["State"].get("OOMKilled"))
         except Exception:  # noqa: BLE001 - the container may already be gone
             oom = False
@@ -192,14 +219,23 @@ class DockerSandbox:
       idle_timeout seconds. acquire_timeout: how long a run waits for a container when all are busy.
     """
 
-    def __init__(self, limits: SandboxLimits | None = None, *, image: str = DEFAULT_IMAGE,
-                 base_url: str | None = None, warm: int = 2, max_containers: int = 8,
-                 acquire_timeout: float = 120.0, idle_timeout: float = 300.0):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        image: str = DEFAULT_IMAGE,
+        base_url: str | None = None,
+        warm: int = 2,
+        max_containers: int = 8,
+        acquire_timeout: float = 120.0,
+        idle_timeout: float = 300.0,
+    ):
         self.limits = limits or SandboxLimits()
         self.image = image
         self.base_url = base_url or docker_address()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_containers + 4,
-                                                               thread_name_prefix="agentfly-docker")
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_containers + 4, thread_name_prefix="agentfly-docker"
+        )
         self._client = None
         self._api_version = None
         self._ready_lock: asyncio.Lock | None = None
@@ -207,15 +243,27 @@ class DockerSandbox:
         self._background: set[asyncio.Task] = set()
         self._closed = False
         self._max_containers = max_containers
-        self.pool = ResourceManager({"containers": {
-            "factory": self._new_container, "min_size": warm, "max_size": max_containers,
-            "idle_timeout": idle_timeout, "acquire_timeout": acquire_timeout, "create_timeout": 120.0,
-            "close_timeout": 60.0, "reset_on_release": False}})
+        self.pool = ResourceManager(
+            {
+                "containers": {
+                    "factory": self._new_container,
+                    "min_size": warm,
+                    "max_size": max_containers,
+                    "idle_timeout": idle_timeout,
+                    "acquire_timeout": acquire_timeout,
+                    "create_timeout": 120.0,
+                    "close_timeout": 60.0,
+                    "reset_on_release": False,
+                }
+            }
+        )
 
     # ------------------------------------------------------------------------------------------- daemon
 
     async def _call(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args, **kwargs)
+        )
 
     async def _ensure_ready(self) -> None:
         if self._closed:
@@ -234,18 +282,21 @@ class DockerSandbox:
         import docker
 
         try:
-            client = docker.DockerClient(base_url=self.base_url, version="auto", timeout=120,
-                                         max_pool_size=self._max_containers + 8)
+            client = docker.DockerClient(
+                base_url=self.base_url, version="auto", timeout=120, max_pool_size=self._max_containers + 8
+            )
             client.ping()
         except Exception as e:  # noqa: BLE001 - any failure here means "no usable daemon"
             raise SandboxUnavailable(
                 f"no Docker daemon answers at {self.base_url} ({e}); start one with scripts/start_docker.sh "
-                f"(as root), or use backend='bwrap'") from e
+                f"(as root), or use backend='bwrap'"
+            ) from e
         try:
             client.images.get(self.image)
         except docker.errors.ImageNotFound:
             raise SandboxUnavailable(
-                f"Docker image {self.image!r} not found; build it with scripts/build_sandbox_image.sh") from None
+                f"Docker image {self.image!r} not found; build it with scripts/build_sandbox_image.sh"
+            ) from None
         self._remove_stale(client)
         return client
 
@@ -275,19 +326,33 @@ class DockerSandbox:
             from docker.types import Ulimit
 
             host_config = api.create_host_config(
-                network_mode="none", read_only=True, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                network_mode="none",
+                read_only=True,
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
                 mem_limit=2 * limits.memory_bytes + limits.tmp_bytes,
                 memswap_limit=2 * limits.memory_bytes + limits.tmp_bytes,
-                pids_limit=limits.max_processes, nano_cpus=int(limits.cpus * 1e9),
+                pids_limit=limits.max_processes,
+                nano_cpus=int(limits.cpus * 1e9),
                 tmpfs={"/tmp": f"rw,nosuid,nodev,size={limits.tmp_bytes},mode=1777"},
-                shm_size=limits.tmp_bytes, ipc_mode="private",
-                ulimits=[Ulimit(name="nofile", soft=limits.open_files, hard=limits.open_files),
-                         Ulimit(name="fsize", soft=limits.file_size_bytes, hard=limits.file_size_bytes),
-                         Ulimit(name="core", soft=0, hard=0)])
+                shm_size=limits.tmp_bytes,
+                ipc_mode="private",
+                ulimits=[
+                    Ulimit(name="nofile", soft=limits.open_files, hard=limits.open_files),
+                    Ulimit(name="fsize", soft=limits.file_size_bytes, hard=limits.file_size_bytes),
+                    Ulimit(name="core", soft=0, hard=0),
+                ],
+            )
             container = api.create_container(
-                self.image, command=["python3", "-I", "-c", INSIDE_SOURCE, "keeper"], user=USER,
-                working_dir="/tmp", environment=ENVIRONMENT, network_disabled=True, host_config=host_config,
-                labels={LABEL: "1", OWNER_LABEL: _owner()})
+                self.image,
+                command=["python3", "-I", "-c", INSIDE_SOURCE, "keeper"],
+                user=USER,
+                working_dir="/tmp",
+                environment=ENVIRONMENT,
+                network_disabled=True,
+                host_config=host_config,
+                labels={LABEL: "1", OWNER_LABEL: _owner()},
+            )
             cid = container["Id"]
             self._live.add(cid)
             try:
@@ -328,8 +393,17 @@ class DockerSandbox:
         return None
 
     async def _exec(self, container: _Container, command: list[str], stdin: bool) -> tuple[str, _ExecStream]:
-        created = await self._call(self._client.api.exec_create, container.id, command, stdin=stdin,
-                                   stdout=True, stderr=True, user=USER, workdir="/tmp", environment=ENVIRONMENT)
+        created = await self._call(
+            self._client.api.exec_create,
+            container.id,
+            command,
+            stdin=stdin,
+            stdout=True,
+            stderr=True,
+            user=USER,
+            workdir="/tmp",
+            environment=ENVIRONMENT,
+        )
         return created["Id"], await _ExecStream.open(self.base_url, self._api_version, created["Id"])
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -346,12 +420,22 @@ class DockerSandbox:
     async def run(self, code: str, timeout: float = 10.0) -> ExecResult:
         """Runs `code` as a fresh `python3 -I -` in a pooled container (see the module docstring)."""
         if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
-            raise ValueError(f"code is larger than {MAX_CODE_BYTES // MiB} MiB; the docker backend passes code "
-                             "as arguments and accepts up to that size")
+            raise ValueError(
+                f"code is larger than {MAX_CODE_BYTES // MiB} MiB; the docker backend passes code "
+                "as arguments and accepts up to that size"
+            )
         await self._ensure_ready()
-        chunks = [code[i:i + _ARG_CHARS] for i in range(0, len(code), _ARG_CHARS)] or [""]
-        command = ["python3", "-I", "-c", INSIDE_SOURCE, "oneshot",
-                   self.limits.rlimits_json(nproc=False, cpu_seconds=timeout + 1), str(timeout + 1.0), *chunks]
+        chunks = [code[i : i + _ARG_CHARS] for i in range(0, len(code), _ARG_CHARS)] or [""]
+        command = [
+            "python3",
+            "-I",
+            "-c",
+            INSIDE_SOURCE,
+            "oneshot",
+            self.limits.rlimits_json(nproc=False, cpu_seconds=timeout + 1),
+            str(timeout + 1.0),
+            *chunks,
+        ]
         out = CappedBuffer(self.limits.max_output_bytes)
         err = CappedBuffer(self.limits.max_output_bytes)
         notes = []
@@ -366,12 +450,16 @@ class DockerSandbox:
                     except asyncio.TimeoutError:
                         timed_out = True
                         container.retired = True
-                        notes.append(f"[sandbox] timed out after {timeout:g} s; the container and every "
-                                     f"process in it were destroyed")
+                        notes.append(
+                            f"[sandbox] timed out after {timeout:g} s; the container and every "
+                            f"process in it were destroyed"
+                        )
                     except _OutputFlood:
                         container.retired = True
-                        notes.append(f"[sandbox] output exceeded {self.limits.output_kill_bytes // MiB} MiB; "
-                                     f"the container was destroyed")
+                        notes.append(
+                            f"[sandbox] output exceeded {self.limits.output_kill_bytes // MiB} MiB; "
+                            f"the container was destroyed"
+                        )
                     finally:
                         stream.close()
                     exit_code = 137 if container.retired else await self._exit_code(exec_id)
@@ -387,8 +475,9 @@ class DockerSandbox:
         stderr = err.text()
         if notes:
             stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes) + "\n"
-        return ExecResult(stdout=out.text(), stderr=stderr, exit_code=exit_code, timed_out=timed_out,
-                          elapsed_s=elapsed)
+        return ExecResult(
+            stdout=out.text(), stderr=stderr, exit_code=exit_code, timed_out=timed_out, elapsed_s=elapsed
+        )
 
     async def _pump(self, stream: _ExecStream, out: CappedBuffer, err: CappedBuffer) -> None:
         kill_bytes = self.limits.output_kill_bytes
@@ -454,8 +543,10 @@ def sandbox_containers(base_url: str | None = None) -> list[dict]:
 
     client = docker.DockerClient(base_url=base_url or docker_address(), version="auto")
     try:
-        return [{"id": c.id, "owner": c.labels.get(OWNER_LABEL), "status": c.status}
-                for c in client.containers.list(all=True, filters={"label": LABEL})]
+        return [
+            {"id": c.id, "owner": c.labels.get(OWNER_LABEL), "status": c.status}
+            for c in client.containers.list(all=True, filters={"label": LABEL})
+        ]
     finally:
         client.close()
 

@@ -19,6 +19,7 @@ inside the sandbox. Modes:
   keeper
       PID 1 of a pooled container: reaps orphans and otherwise sleeps.
 """
+
 import ast
 import json
 import linecache
@@ -29,8 +30,14 @@ import sys
 import time
 import traceback
 
-_RLIMITS = {"as": "RLIMIT_AS", "nproc": "RLIMIT_NPROC", "fsize": "RLIMIT_FSIZE", "nofile": "RLIMIT_NOFILE",
-            "core": "RLIMIT_CORE", "cpu": "RLIMIT_CPU"}
+_RLIMITS = {
+    "as": "RLIMIT_AS",
+    "nproc": "RLIMIT_NPROC",
+    "fsize": "RLIMIT_FSIZE",
+    "nofile": "RLIMIT_NOFILE",
+    "core": "RLIMIT_CORE",
+    "cpu": "RLIMIT_CPU",
+}
 
 
 def apply_limits(limits):
@@ -135,11 +142,19 @@ def session(limits):
         out_head, out_tail, out_size = _collect(out_fd, head, tail)
         err_head, err_tail, err_size = _collect(err_fd, head, tail)
         if value is not None and len(value) > head + tail:
-            value = value[:head] + "\n... [%d characters of the value truncated] ...\n" % (
-                len(value) - head - tail) + value[-tail:]
-        reply = {"stdout": [out_head, out_tail, out_size], "stderr": [err_head, err_tail, err_size],
-                 "value": value, "error": error, "timed_out": timed_out,
-                 "elapsed": time.monotonic() - start}
+            value = (
+                value[:head]
+                + "\n... [%d characters of the value truncated] ...\n" % (len(value) - head - tail)
+                + value[-tail:]
+            )
+        reply = {
+            "stdout": [out_head, out_tail, out_size],
+            "stderr": [err_head, err_tail, err_size],
+            "value": value,
+            "error": error,
+            "timed_out": timed_out,
+            "elapsed": time.monotonic() - start,
+        }
         replies.write(json.dumps(reply).encode() + b"\n")
         replies.flush()
 
@@ -148,8 +163,9 @@ def oneshot(limits, timeout, code):
     import shutil
     import subprocess
 
-    child = subprocess.Popen([sys.executable, "-I", "-"], stdin=subprocess.PIPE,
-                             preexec_fn=lambda: apply_limits(limits))
+    child = subprocess.Popen(
+        [sys.executable, "-I", "-"], stdin=subprocess.PIPE, preexec_fn=lambda: apply_limits(limits)
+    )
     try:
         child.stdin.write(code.encode("utf-8", "surrogatepass"))
         child.stdin.close()

@@ -5,6 +5,7 @@ per line. This module sends cells, enforces the hard time limit (timeout + grace
 interrupt did not stop the cell, the whole sandbox is killed) and turns every way a session can die into a
 CellResult that says what happened.
 """
+
 from __future__ import annotations
 
 import abc
@@ -54,7 +55,9 @@ class PythonSession:
     def alive(self) -> bool:
         return self._ended is None
 
-    async def run_cell(self, code: str, timeout: float = 10.0, max_output_bytes: int | None = None) -> CellResult:
+    async def run_cell(
+        self, code: str, timeout: float = 10.0, max_output_bytes: int | None = None
+    ) -> CellResult:
         """Executes `code` in the session; never raises for anything the code does."""
         if self._ended is not None:
             raise SandboxError(f"this Python session has ended ({self._ended}); open a new one")
@@ -70,15 +73,22 @@ class PythonSession:
                 line = await asyncio.wait_for(self._transport.readline(), timeout + self.grace_s)
             except asyncio.TimeoutError:
                 await self._end("killed after a time-out")
-                return CellResult(timed_out=True, restarted=True, elapsed_s=time.monotonic() - start,
-                                  crash=f"the code ignored the {timeout:g} s time limit, so the session was killed")
+                return CellResult(
+                    timed_out=True,
+                    restarted=True,
+                    elapsed_s=time.monotonic() - start,
+                    crash=f"the code ignored the {timeout:g} s time limit, so the session was killed",
+                )
             except asyncio.CancelledError:
                 self._ended = "cancelled while running a cell"
                 self._transport.terminate_soon()
                 raise
             except (OSError, ValueError) as e:  # broken pipe / reset / a reply longer than the line limit
-                reason = await self._transport.death_reason() if isinstance(e, OSError) else \
-                    f"its reply exceeded the size limit ({e})"
+                reason = (
+                    await self._transport.death_reason()
+                    if isinstance(e, OSError)
+                    else f"its reply exceeded the size limit ({e})"
+                )
                 await self._end(reason)
                 return CellResult(restarted=True, crash=reason, elapsed_s=time.monotonic() - start)
             if not line:
@@ -91,9 +101,14 @@ class PythonSession:
                 reason = "its reply was unreadable (the code wrote into the session's control channel)"
                 await self._end(reason)
                 return CellResult(restarted=True, crash=reason, elapsed_s=time.monotonic() - start)
-        return CellResult(stdout=join_head_tail(*reply["stdout"]), stderr=join_head_tail(*reply["stderr"]),
-                          value=reply["value"], error=reply["error"], timed_out=reply["timed_out"],
-                          elapsed_s=time.monotonic() - start)
+        return CellResult(
+            stdout=join_head_tail(*reply["stdout"]),
+            stderr=join_head_tail(*reply["stderr"]),
+            value=reply["value"],
+            error=reply["error"],
+            timed_out=reply["timed_out"],
+            elapsed_s=time.monotonic() - start,
+        )
 
     async def _end(self, reason: str) -> None:
         self._ended = reason

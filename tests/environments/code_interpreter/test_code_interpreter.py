@@ -1,13 +1,20 @@
 """Code interpreter environment: observations, persistent state, reset, the tool through the agent runtime's
 ToolContext and the resource manager, and unit-test rewards (HumanEval- and MBPP-style)."""
+
 import asyncio
 
 import pytest
 
 from agentfly_jax.envs import ResourceManager
 from agentfly_jax.envs.sandbox import CellResult, SandboxError
-from environments.code_interpreter import (POOL_CONFIG, CodeInterpreterEnv, build_test_program, extract_code,
-                                           format_observation, run_unit_tests)
+from environments.code_interpreter import (
+    POOL_CONFIG,
+    CodeInterpreterEnv,
+    build_test_program,
+    extract_code,
+    format_observation,
+    run_unit_tests,
+)
 
 
 def test_extract_code_takes_fenced_blocks_or_the_whole_text():
@@ -22,8 +29,15 @@ def test_format_observation_parts_and_notes():
     assert format_observation(CellResult(), timeout=5, max_chars=1000) == "(no output)"
     interrupted = format_observation(CellResult(timed_out=True), timeout=5, max_chars=1000)
     assert "longer than 5 s" in interrupted and "kept" in interrupted
-    killed = format_observation(CellResult(timed_out=True, restarted=True, crash="the code ignored the 5 s time "
-                                           "limit, so the session was killed"), timeout=5, max_chars=1000)
+    killed = format_observation(
+        CellResult(
+            timed_out=True,
+            restarted=True,
+            crash="the code ignored the 5 s time limit, so the session was killed",
+        ),
+        timeout=5,
+        max_chars=1000,
+    )
     assert killed.startswith("[session restarted] The code ignored") and "are lost" in killed
     long = format_observation(CellResult(stdout="a" * 5000 + "END"), timeout=5, max_chars=200)
     assert len(long) < 260 and long.startswith("aaa") and long.endswith("END")
@@ -48,6 +62,7 @@ def test_state_persists_and_reset_starts_fresh(loop, backend):
             assert await env.health()
         finally:
             await env.close()
+
     loop.run_until_complete(main())
 
 
@@ -63,6 +78,7 @@ def test_sandbox_failure_becomes_an_observation_and_marks_the_env_unhealthy(loop
         assert not await env.health()
         await env.reset()
         assert await env.health()
+
     loop.run_until_complete(main())
 
 
@@ -73,6 +89,7 @@ def test_tool_keeps_one_session_per_chain_through_the_manager(loop, backend):
     async def main():
         config = dict(POOL_CONFIG, kwargs={"backend": backend, "timeout": 5.0, "max_output_chars": 1000})
         async with ResourceManager({"code_interpreter": config}) as manager:
+
             async def chain(name, value):
                 async with ToolContext(env_provider=manager, key=name) as context:
                     call = {"name": "code_interpreter", "arguments": {"code": f"secret = {value!r}"}}
@@ -84,27 +101,43 @@ def test_tool_keeps_one_session_per_chain_through_the_manager(loop, backend):
             assert (a.ok, a.observation, b.observation) == (True, "alpha", "beta")
             metrics = manager.metrics("code_interpreter")
             assert metrics["created"] == 2 and metrics["in_use"] == 0
+
     loop.run_until_complete(main())
 
 
 HUMAN_EVAL_TASK = {
     "prompt": "from typing import List\n\n\ndef running_max(numbers: List[int]) -> List[int]:\n"
-              "    \"\"\"Running maximum of a list.\"\"\"\n",
+    '    """Running maximum of a list."""\n',
     "entry_point": "running_max",
-    "test": "def check(candidate):\n    assert candidate([1, 3, 2, 5]) == [1, 3, 3, 5]\n    assert candidate([]) == []\n",
+    "test": "def check(candidate):\n"
+    "    assert candidate([1, 3, 2, 5]) == [1, 3, 3, 5]\n"
+    "    assert candidate([]) == []\n",
 }
 
 
-@pytest.mark.parametrize("completion, passed", [
-    ("    out, best = [], None\n    for n in numbers:\n        best = n if best is None else max(best, n)\n"
-     "        out.append(best)\n    return out\n", True),  # body only, as in HumanEval
-    ("```python\ndef running_max(numbers):\n    import itertools\n"
-     "    return list(itertools.accumulate(numbers, max))\n```", True),  # a whole function in a fence
-    ("def running_max(numbers):\n    return sorted(numbers)\n", False),  # wrong
-    ("def running_max(numbers)\n    return numbers\n", False),  # syntax error
-])
+@pytest.mark.parametrize(
+    "completion, passed",
+    [
+        (
+            "    out, best = [], None\n"
+            "    for n in numbers:\n"
+            "        best = n if best is None else max(best, n)\n"
+            "        out.append(best)\n    return out\n",
+            True,
+        ),  # body only, as in HumanEval
+        (
+            "```python\ndef running_max(numbers):\n    import itertools\n"
+            "    return list(itertools.accumulate(numbers, max))\n```",
+            True,
+        ),  # a whole function in a fence
+        ("def running_max(numbers):\n    return sorted(numbers)\n", False),  # wrong
+        ("def running_max(numbers)\n    return numbers\n", False),  # syntax error
+    ],
+)
 def test_unit_test_reward(loop, backend, completion, passed):
-    result = loop.run_until_complete(run_unit_tests(completion, HUMAN_EVAL_TASK, backend=backend, timeout=5.0))
+    result = loop.run_until_complete(
+        run_unit_tests(completion, HUMAN_EVAL_TASK, backend=backend, timeout=5.0)
+    )
     assert result["passed"] is passed and result["reward"] == float(passed)
     assert (result["error"] is None) == passed
 
