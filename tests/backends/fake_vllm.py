@@ -26,7 +26,7 @@ class FakeVLLMServer:
         self._stopping = asyncio.Event()
         self.url = None
 
-    async def start(self) -> "FakeVLLMServer":
+    async def start(self) -> FakeVLLMServer:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)

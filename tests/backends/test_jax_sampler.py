@@ -114,7 +114,7 @@ def test_sampling_follows_the_tempered_distribution(tiny_model):
     counts = np.bincount(first, minlength=VOCAB)
     sigma = np.sqrt(512 * probs * (1 - probs))
     assert np.all(np.abs(counts - 512 * probs) <= 4 * sigma + 1), (counts[probs > 0.01], 512 * probs[probs > 0.01])
-    assert set(c.token_ids[0] for c in top3) <= set(np.argsort(-probs)[:3].tolist())
+    assert {c.token_ids[0] for c in top3} <= set(np.argsort(-probs)[:3].tolist())
     np.testing.assert_allclose([c.logprobs[0] for c in plain], np.log(probs[first]), atol=1e-4)
 
 
@@ -208,6 +208,34 @@ def test_update_weights_changes_outputs_without_recompiling(tiny_model, tiny_par
     np.testing.assert_allclose(b.logprobs, trainer_logprobs(model, tiny_params_b, prompt, b.token_ids, 1.0), atol=1e-4)
     assert a_again.token_ids == a.token_ids
     np.testing.assert_allclose(a_again.logprobs, a.logprobs, atol=1e-6)
+
+
+def test_update_weights_while_sequences_run(tiny_model, tiny_params_b):
+    """A swap between decode calls: running sequences go on (on the new weights), nothing is recompiled, and a
+    request started afterwards is sampled entirely by the new weights."""
+    model, params_a = tiny_model
+    sampler = make_sampler(tiny_model, max_len=256, steps_per_call=2)
+    prompt = prompts(1, seed=9)[0]
+
+    async def run():
+        async with sampler:
+            await sampler.generate(prompt, max_tokens=150, temperature=0.0)  # compiles every bucket used below
+            compiles = dict(sampler.compile_counts)
+            running = asyncio.create_task(sampler.generate(prompt, max_tokens=150, temperature=1.0, n=4))
+            while sampler.stats["tokens"] < 150 + 8:
+                await asyncio.sleep(0.005)
+            await sampler.update_weights(tiny_params_b, version=7)
+            after = (await sampler.generate(prompt, max_tokens=16, temperature=0.0))[0]
+            return await running, after, compiles
+
+    running, after, compiles = asyncio.run(run())
+    assert dict(sampler.compile_counts) == compiles
+    assert [c.weight_version for c in running] == [0] * 4 and after.weight_version == 7
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 150 for c in running)
+    np.testing.assert_allclose(after.logprobs, trainer_logprobs(model, tiny_params_b, prompt, after.token_ids, 1.0),
+                               atol=1e-4)
+    health = asyncio.run(sampler.health())
+    assert health["ok"] is False and health["weight_version"] == 7  # closed by `async with`
 
 
 def test_update_weights_rejects_other_shapes(tiny_model):

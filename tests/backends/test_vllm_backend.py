@@ -35,10 +35,13 @@ def test_logprobs_equal_trainer_recompute(vllm_server, tiny_model, temperature):
 
     async def go():
         async with VLLMBackend(url, model) as backend:
-            return await asyncio.gather(*[backend.generate(p, max_tokens=32, temperature=temperature, n=2, seed=i)
-                                          for i, p in enumerate(ps)])
+            results = await asyncio.gather(*[backend.generate(p, max_tokens=32, temperature=temperature, n=2,
+                                                              seed=i) for i, p in enumerate(ps)])
+            health = await backend.health()
+        return results, health
 
-    results = asyncio.run(go())
+    results, health = asyncio.run(go())
+    assert health["ok"] and health["servers"][url]["ok"] and health["stats"]["requests"] == 6
     worst = 0.0
     for prompt, completions in zip(ps, results):
         for c in completions:

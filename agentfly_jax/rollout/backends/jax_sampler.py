@@ -34,10 +34,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
-import time
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -312,7 +310,7 @@ class JaxSampler(GenerationBackend):
     def _place_params(self, params, reference):
         """Params on the sampler's device; with a reference tree, checks structure/shapes and casts dtypes."""
         if reference is not None:
-            ref_flat, ref_tree = jax.tree.flatten(reference)
+            ref_tree = jax.tree.structure(reference)
             new_flat, new_tree = jax.tree.flatten(params)
             if ref_tree != new_tree:
                 raise ValueError("update_weights got a param tree of a different structure than the sampler's")
@@ -352,7 +350,7 @@ class JaxSampler(GenerationBackend):
                     await self._wakeup.wait()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - every waiting caller must learn about it
+        except Exception as exc:  # every waiting caller must learn about it
             log.exception("JaxSampler decode loop failed")
             self._failure = exc
             self._abort_all(exc)

@@ -46,7 +46,8 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
@@ -163,7 +164,7 @@ class VLLMBackend(GenerationBackend):
                     raise ValueError(f"vLLM server {server.url} rejected {method} {path}: HTTP {resp.status}: "
                                      f"{text[:1000]}")
                 return None if not text else await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
 
     def _pick(self) -> _Server:
@@ -367,7 +368,7 @@ class VLLMBackend(GenerationBackend):
                 if abort:
                     try:
                         await self._rpc(server, ext.ABORT)
-                    except Exception as exc:  # noqa: BLE001 - the load's own error is the one to report
+                    except Exception as exc:  # the load's own error is the one to report
                         log.warning("could not drop staged weights on %s: %s", server.url, exc)
                 raise
             loaded = {r.get("version") for r in results}
