@@ -163,8 +163,8 @@ def run_torch(args) -> list[dict]:
 
         def one_round(n, ids=ids, mask=mask):
             with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                                     top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                     top_p=1.0, top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
             if cuda:
                 torch.cuda.synchronize()
             assert out.shape[1] == ids.shape[1] + n
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
         print(f"SUMMARY {args.shape} {args.dtype} batch={batch} prompt={args.prompt_len} on {ours['device']}: "
               f"decode ours {ours['decode_tokens_per_s']:.0f} tok/s ({ours['decode_step_ms']} ms/step) vs "
               f"transformers.generate {peer['decode_tokens_per_s']:.0f} tok/s ({peer['decode_step_ms']} ms/step): "
-              f"{ratio:.1f}x{vs_roof}; end-to-end {ours['e2e_tokens_per_s']:.0f} vs {peer['e2e_tokens_per_s']:.0f} "
-              "tok/s", flush=True)
+              f"{ratio:.1f}x{vs_roof}; end-to-end {ours['e2e_tokens_per_s']:.0f} vs "
+              f"{peer['e2e_tokens_per_s']:.0f} tok/s", flush=True)
         if args.out:
             with open(args.out, "a") as fh:
                 fh.write(json.dumps({"ours": ours, "peer": peer, "decode_ratio": ratio}) + "\n")

@@ -31,7 +31,8 @@ def test_roofline_arithmetic():
     step_s = (494_032_768 * 2 + 64 * 256 * kv_per_token) / 3.35e12
     assert roof["step_ms"] == pytest.approx(1e3 * step_s, rel=1e-3)
     assert roof["tokens_per_s"] == pytest.approx(64 / step_s, rel=1e-3)
-    assert bench._bandwidth("NVIDIA H200", None) == 4.8e12 and bench._bandwidth("NVIDIA H100 80GB HBM3", None) == 3.35e12
+    assert bench._bandwidth("NVIDIA H200", None) == 4.8e12
+    assert bench._bandwidth("NVIDIA H100 80GB HBM3", None) == 3.35e12
 
 
 @pytest.mark.slow
@@ -41,7 +42,8 @@ def test_bench_sampler_short(tmp_path):
     env.pop("XLA_FLAGS", None)  # one CPU device, as a user would run it
     proc = subprocess.run([sys.executable, "scripts/bench_sampler.py", "--shape", "tiny", "--batches", "4",
                            "--prompt-len", "8", "--new-tokens", "8", "--extra-tokens", "40", "--repeats", "3",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
+                           "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("SUMMARY tiny") == 1
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -49,5 +51,6 @@ def test_bench_sampler_short(tmp_path):
     for record in records:
         for side in ("ours", "peer"):
             assert record[side]["decode_tokens_per_s"] > 0 and record[side]["e2e_tokens_per_s"] > 0
-        assert record["ours"]["impl"] == "agentfly_jax.JaxSampler" and record["peer"]["impl"] == "transformers.generate"
+        assert record["ours"]["impl"] == "agentfly_jax.JaxSampler"
+        assert record["peer"]["impl"] == "transformers.generate"
         assert sum(record["ours"]["compiles"].values()) <= 6  # a handful of programs per batch size

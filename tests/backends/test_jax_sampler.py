@@ -33,7 +33,8 @@ def sampler(tiny_model):
 
 
 # --------------------------------------------------------------------------------------------- parity
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 1.0, -1), (0.7, 0.9, 20), (0.0, 1.0, -1)])
+@pytest.mark.parametrize("temperature,top_p,top_k",
+                         [(1.0, 1.0, -1), (0.7, 1.0, -1), (0.7, 0.9, 20), (0.0, 1.0, -1)])
 def test_logprobs_equal_trainer_recompute(tiny_model, sampler, temperature, top_p, top_k):
     """Every sampled token's logprob is log_softmax(logits / T) of the trainer's forward (before truncation)."""
     model, params = tiny_model
@@ -205,7 +206,8 @@ def test_update_weights_changes_outputs_without_recompiling(tiny_model, tiny_par
     assert (a.weight_version, b.weight_version, a_again.weight_version) == (0, 1, 2)
     assert sampler.weight_version == 2
     assert b.token_ids != a.token_ids
-    np.testing.assert_allclose(b.logprobs, trainer_logprobs(model, tiny_params_b, prompt, b.token_ids, 1.0), atol=1e-4)
+    expected_b = trainer_logprobs(model, tiny_params_b, prompt, b.token_ids, 1.0)
+    np.testing.assert_allclose(b.logprobs, expected_b, atol=1e-4)
     assert a_again.token_ids == a.token_ids
     np.testing.assert_allclose(a_again.logprobs, a.logprobs, atol=1e-6)
 
@@ -213,7 +215,7 @@ def test_update_weights_changes_outputs_without_recompiling(tiny_model, tiny_par
 def test_update_weights_while_sequences_run(tiny_model, tiny_params_b):
     """A swap between decode calls: running sequences go on (on the new weights), nothing is recompiled, and a
     request started afterwards is sampled entirely by the new weights."""
-    model, params_a = tiny_model
+    model, _ = tiny_model
     sampler = make_sampler(tiny_model, max_len=256, steps_per_call=2)
     prompt = prompts(1, seed=9)[0]
 
@@ -232,8 +234,8 @@ def test_update_weights_while_sequences_run(tiny_model, tiny_params_b):
     assert dict(sampler.compile_counts) == compiles
     assert [c.weight_version for c in running] == [0] * 4 and after.weight_version == 7
     assert all(c.finish_reason == "length" and len(c.token_ids) == 150 for c in running)
-    np.testing.assert_allclose(after.logprobs, trainer_logprobs(model, tiny_params_b, prompt, after.token_ids, 1.0),
-                               atol=1e-4)
+    expected = trainer_logprobs(model, tiny_params_b, prompt, after.token_ids, 1.0)
+    np.testing.assert_allclose(after.logprobs, expected, atol=1e-4)
     health = asyncio.run(sampler.health())
     assert health["ok"] is False and health["weight_version"] == 7  # closed by `async with`
 
@@ -252,7 +254,8 @@ def test_compiles_a_handful_of_programs(tiny_model):
 
     async def run():
         async with sampler:
-            await asyncio.gather(*[sampler.generate(p, max_tokens=40, temperature=0.8) for p in prompts(40, 8, 1, 200)])
+            await asyncio.gather(*[sampler.generate(p, max_tokens=40, temperature=0.8)
+                                   for p in prompts(40, 8, 1, 200)])
 
     asyncio.run(run())
     # prompt passes: one per prompt bucket (16..256: 5); decode: one per attention window bucket (16..256: 5)

@@ -162,7 +162,8 @@ class JaxSampler(GenerationBackend):
         self.steps_per_call = int(steps_per_call)
         self.max_stop_tokens = int(max_stop_tokens)
         if self.max_slots < 1 or self.max_len < 2 or self.steps_per_call < 1 or min_bucket < 1:
-            raise ValueError(f"JaxSampler needs max_slots >= 1, max_len >= 2, steps_per_call >= 1, min_bucket >= 1;"
+            raise ValueError(f"JaxSampler needs max_slots >= 1, max_len >= 2, steps_per_call >= 1, "
+                             f"min_bucket >= 1;"
                              f" got {max_slots}, {max_len}, {steps_per_call}, {min_bucket}")
         self.device = device or jax.devices()[0]
         self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
@@ -289,7 +290,8 @@ class JaxSampler(GenerationBackend):
         if not prompt:
             raise ValueError("prompt_token_ids is empty; a prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got min {min(prompt)}, max {max(prompt)}")
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got min {min(prompt)}, "
+                             f"max {max(prompt)}")
         if len(prompt) >= self.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in max_len={self.max_len}; "
                              "shorten it or build the sampler with a larger max_len")

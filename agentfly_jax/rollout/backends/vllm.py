@@ -231,8 +231,8 @@ class VLLMBackend(GenerationBackend):
                     entry = next((m for m in models if m["id"] == self.served_model_name), None) \
                         if self.served_model_name else models[0]
                     if entry is None:
-                        raise VLLMServerError(f"vLLM server {server.url} does not serve {self.served_model_name!r};"
-                                              f" it serves {[m['id'] for m in models]}", [server.url])
+                        raise VLLMServerError(f"vLLM server {server.url} does not serve "
+                                              f"{self.served_model_name!r}; it serves {[m['id'] for m in models]}", [server.url])
                     server.info = {"model": entry["id"], "max_model_len": int(entry.get("max_model_len") or 0)}
         return server.info
 
