@@ -27,6 +27,9 @@ import subprocess
 import sys
 import time
 
+# Runnable as `python scripts/bench_sampler.py` from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SHAPES = {
     # Qwen2.5-0.5B: tied embeddings, qkv bias, 14 heads of 64, 2 kv heads
     "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
