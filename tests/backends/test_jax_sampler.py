@@ -240,6 +240,47 @@ def test_update_weights_while_sequences_run(tiny_model, tiny_params_b):
     assert health["ok"] is False and health["weight_version"] == 7  # closed by `async with`
 
 
+def test_sampler_keeps_its_own_params_when_the_trainer_donates_them(tiny_model):
+    """The trainer's jitted step donates its params; the sampler must not share those buffers."""
+    model, params = tiny_model
+    mine = jax.device_put(params, jax.devices()[0], may_alias=False)
+    sampler = JaxSampler(model, mine, max_slots=2, max_len=32, steps_per_call=2)
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.0, p), donate_argnums=0)
+    newer = step(mine)  # the buffers the sampler was built from are gone
+    assert jax.tree.leaves(mine)[0].is_deleted()
+
+    async def run():
+        async with sampler:
+            first = await sampler.generate([1, 2, 3], max_tokens=3, temperature=0.0)
+            await sampler.update_weights(newer, version=1)
+            step(newer)  # and again for the updated ones
+            return first, await sampler.generate([1, 2, 3], max_tokens=3, temperature=0.0)
+
+    first, second = asyncio.run(run())
+    assert first[0].token_ids == second[0].token_ids and second[0].weight_version == 1
+
+
+def test_a_failing_loop_answers_every_waiting_request(tiny_model):
+    """An error inside the decode loop reaches every caller (none hangs), and the sampler then refuses work."""
+    sampler = make_sampler(tiny_model)
+
+    def broken_prefill(*args):
+        raise RuntimeError("device on fire")
+
+    sampler._prefill = broken_prefill
+
+    async def run():
+        results = await asyncio.wait_for(asyncio.gather(
+            *[sampler.generate(p, max_tokens=4) for p in prompts(5, seed=13)], return_exceptions=True), 30)
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            await sampler.generate([1], max_tokens=1)
+        return results, await sampler.health()
+
+    results, health = asyncio.run(run())
+    assert all(isinstance(r, RuntimeError) and "device on fire" in str(r) for r in results)
+    assert health["ok"] is False and "device on fire" in health["error"]
+
+
 def test_update_weights_rejects_other_shapes(tiny_model):
     sampler = make_sampler(tiny_model)
     bad = jax.tree.map(lambda x: x, tiny_model[1])

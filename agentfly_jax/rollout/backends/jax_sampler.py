@@ -25,7 +25,8 @@ importance ratio trainer/sampler is 1 on-policy. (vLLM returns the truncated, re
 top-p/top-k are active; see VLLMBackend.) temperature=0 means greedy; its logprobs are at temperature 1.
 
 Weights. `update_weights(params, version)` swaps the parameter tree between two decode calls; the jitted
-programs take params as an argument, so same shapes and dtypes mean no recompilation. A sequence in flight
+programs take params as an argument, so same shapes and dtypes mean no recompilation. The sampler keeps its
+own copy of the params (on its device, in the dtypes it started with): the trainer may donate its buffers. A sequence in flight
 continues on the new weights; each Completion records the version that sampled its first token.
 Runs on one device (the first, or `device=`).
 """
@@ -189,6 +190,7 @@ class JaxSampler(GenerationBackend):
         self._owners: list[tuple[_Request, int] | None] = [None] * b
         self._pos_bound = np.zeros(b, np.int64)  # upper bound on each slot's device position
         self._waiting: collections.deque[tuple[_Request, int]] = collections.deque()
+        self._open: set[_Request] = set()  # every request not answered yet, wherever it is
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._failure: BaseException | None = None
@@ -249,6 +251,8 @@ class JaxSampler(GenerationBackend):
         request = self._make_request(prompt_token_ids, max_tokens, temperature, top_p, top_k, stop_token_ids,
                                      n, seed)
         self._ensure_running()
+        self._open.add(request)
+        request.future.add_done_callback(lambda _: self._open.discard(request))
         self._waiting.extend((request, i) for i in range(request.n))
         self._wakeup.set()
         return await request.future
@@ -322,7 +326,8 @@ class JaxSampler(GenerationBackend):
                     raise ValueError(f"update_weights: param {jax.tree_util.keystr(path)} has shape "
                                      f"{tuple(new.shape)}, the sampler's has {tuple(ref.shape)}")
             params = jax.tree.map(lambda new, ref: jnp.asarray(new, dtype=ref.dtype), params, reference)
-        return jax.device_put(params, self.device)
+        # Always a copy: the trainer donates its param buffers to the next update step.
+        return jax.device_put(params, self.device, may_alias=False)
 
     # ---------------------------------------------------------------------------------------- the decode loop
     def _ensure_running(self):
@@ -483,9 +488,7 @@ class JaxSampler(GenerationBackend):
 
     def _abort_all(self, reason):
         """Answers every open request: partial completions ('abort') or, given an exception, that error."""
-        requests = {id(o[0]): o[0] for o in self._owners if o is not None}
-        requests.update({id(r): r for r, _ in self._waiting})
-        for request in requests.values():
+        for request in list(self._open):
             if request.future.done() or request.future.get_loop().is_closed():
                 continue
             if isinstance(reason, BaseException):
