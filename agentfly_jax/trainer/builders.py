@@ -56,9 +56,24 @@ def build_tasks(config) -> tuple[list[dict], list[dict]]:
     return TASK_FAMILIES[kind](task_cfg, config.seed)
 
 
-def build_demonstrations(config, train_tasks: list[dict]) -> list[list[dict]]:
-    """SFT conversations: generated for the arithmetic family, or read from `config.sft.data_path` (JSONL of
-    {"messages": [...]})."""
+def sft_stages(config, train_tasks: list[dict]) -> list[tuple[int, list[list[dict]]]]:
+    """[(steps, conversations)] for the SFT warm start.
+
+    With `config.sft.data_path` (JSONL of {"messages": [...]}): one stage of `sft.steps`. For the arithmetic
+    family: demonstrations generated per stage of `sft.stages` ((steps, tool_fraction), ...) — e.g. first
+    tool-only demonstrations (learn the call format and copying), then a mix in which the rest guess.
+    """
+    sft = _cfg(config.sft)
+    if sft.get("data_path") or not sft.get("stages"):
+        return [(sft["steps"], build_demonstrations(config, train_tasks, sft.get("tool_fraction", 1.0)))]
+    return [(int(steps), build_demonstrations(config, train_tasks, fraction, seed_offset=i))
+            for i, (steps, fraction) in enumerate(sft["stages"])]
+
+
+def build_demonstrations(config, train_tasks: list[dict], tool_fraction: float = 1.0,
+                         seed_offset: int = 0) -> list[list[dict]]:
+    """SFT conversations: generated for the arithmetic family (a `tool_fraction` of them call the
+    calculator, the rest guess), or read from `config.sft.data_path` (JSONL of {"messages": [...]})."""
     sft = _cfg(config.sft)
     if sft.get("data_path"):
         with open(sft["data_path"]) as fh:
@@ -72,8 +87,8 @@ def build_demonstrations(config, train_tasks: list[dict]) -> list[list[dict]]:
                          "for this task family")
     from environments.arithmetic import demonstration
 
-    rng = random.Random(config.seed + 7)
-    return [demonstration(t, use_tool=rng.random() < sft["tool_fraction"], rng=rng) for t in train_tasks]
+    rng = random.Random(config.seed + 7 + 1000 * seed_offset)
+    return [demonstration(t, use_tool=rng.random() < tool_fraction, rng=rng) for t in train_tasks]
 
 
 # -------------------------------------------------------------------------------------------- tokenizer

@@ -25,7 +25,10 @@ class Checkpointer:
         return self.every > 0 and step > 0 and step % self.every == 0
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
-        """Writes `state` (a pytree of arrays) and `meta` (JSON) for `step`; waits until it is on disk."""
+        """Writes `state` (a pytree of arrays) and `meta` (JSON) for `step`; waits until it is on disk.
+        A step that already has a checkpoint is left as it is (returns False)."""
+        if step in self.manager.all_steps():
+            return False
         saved = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
         self.manager.wait_until_finished()

@@ -23,6 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agentfly_jax import algorithms
+from agentfly_jax.models import save_pretrained
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.trainer import builders
@@ -128,25 +129,31 @@ def run_sft(run: Run) -> dict:
     """Supervised warm start on demonstrations (masked cross-entropy on the assistant tokens)."""
     cfg = run.config
     sft = cfg.sft
-    demos = builders.build_demonstrations(cfg, run.train_tasks)
-    encoded = [encode_conversation(run.tokenizer, m, chat_template=cfg.get("chat_template") or None) for m in demos]
+    template = cfg.get("chat_template") or None
+    stages = [(steps, [encode_conversation(run.tokenizer, m, chat_template=template) for m in demos])
+              for steps, demos in builders.sft_stages(cfg, run.train_tasks)]
     opt_cfg = OptimizerConfig.from_mapping(sft.optimizer.to_dict())
     optimizer = make_optimizer(opt_cfg)
     state = create_train_state(run.state.policy.params, optimizer)
     step_fn = make_sft_step(run.policy, LossConfig(logprob_chunk=cfg.loss.logprob_chunk), optimizer,
                             lr_schedule=learning_rate_schedule(opt_cfg))
     rng = np.random.default_rng(cfg.seed + 11)
-    metrics = {}
-    for i in tqdm(range(sft.steps), desc="sft", disable=not cfg.progress):
-        idx = rng.choice(len(encoded), size=sft.batch_size, replace=False)
-        arrays, lengths = _encoded_to_arrays([encoded[j] for j in idx], cfg.seq_buckets)
-        micro, _ = build_update_batch(arrays, lengths, agg="token-mean", row_len=arrays["tokens"].shape[1],
-                                      micro_batches=cfg.rl.micro_batches, rows_multiple=_data_parallel(run),
-                                      pow2_rows=True)
-        with _mesh_context(run):
-            state, metrics = step_fn(state, _put_batch(run, micro))
-        if (i + 1) % cfg.log_every == 0 or i + 1 == sft.steps:
-            run.writer.scalars(i + 1, jax.device_get(metrics))
+    metrics, step = {}, 0
+    bar = tqdm(total=sum(s for s, _ in stages), desc="sft", disable=not cfg.progress)
+    for stage_steps, encoded in stages:
+        for _ in range(stage_steps):
+            idx = rng.choice(len(encoded), size=sft.batch_size, replace=False)
+            arrays, lengths = _encoded_to_arrays([encoded[j] for j in idx], cfg.seq_buckets)
+            micro, _ = build_update_batch(arrays, lengths, agg="token-mean", row_len=arrays["tokens"].shape[1],
+                                          micro_batches=cfg.rl.micro_batches, rows_multiple=_data_parallel(run),
+                                          pow2_rows=True)
+            with _mesh_context(run):
+                state, metrics = step_fn(state, _put_batch(run, micro))
+            step += 1
+            bar.update()
+            if step % cfg.log_every == 0:
+                run.writer.scalars(step, jax.device_get(metrics))
+    bar.close()
     run.state = run.state.replace(policy=run.state.policy.replace(params=state.policy.params))
     if run.state.ref_params is not None:  # the KL reference is the warm-started policy
         run.state = run.state.replace(ref_params=jax.tree.map(jnp.copy, state.policy.params))
@@ -310,7 +317,7 @@ def train(config, workdir: str | None = None) -> dict:
             log.info("resumed from step %d (%s)", start_step, run.checkpointer.directory)
             before = meta.get("success_before")
         else:
-            if config.sft.steps:
+            if config.sft.steps or config.sft.get("stages"):
                 sft_metrics = run_sft(run)
                 sync_weights(run, 0)
             before = evaluate(run, 0)["eval/success"] if config.eval.num_tasks else None
@@ -347,10 +354,14 @@ def train(config, workdir: str | None = None) -> dict:
         # --- Final eval, checkpoint, summary ----------------------------------------------------------
         after = evaluate(run, config.rl.steps)["eval/success"] if config.eval.num_tasks else None
         _save(run, config.rl.steps, before, force=True)
+        # The trained policy in Hugging Face format (transformers and vLLM load it), with its tokenizer.
+        final_dir = os.path.join(workdir, "final_policy")
+        save_pretrained(run.policy, jax.device_get(run.state.policy.params), final_dir)
+        run.tokenizer.save_pretrained(final_dir)
         summary = {"algorithm": config.algorithm, "success_before": before, "success_after": after,
                    "steps": config.rl.steps, "wall_seconds": round(time.time() - t_start, 1),
                    "resumed_from": start_step if restored is not None else None, "sft": sft_metrics,
-                   "backend": config.backend, "workdir": os.path.abspath(workdir)}
+                   "backend": config.backend, "workdir": os.path.abspath(workdir), "final_policy": final_dir}
         with open(os.path.join(workdir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=2)
         return summary

@@ -1,7 +1,8 @@
 """A small byte-level BPE tokenizer trained on the arithmetic chats, with a compact ChatML template.
 
-Digits are split one per token (so copying numbers is learnable by a tiny model); the chat markers and the
-tool-call tags are single tokens, as in Qwen2.5.
+Numbers are written in chunks of up to three digits, each chunk one token ("1278" -> "127", "8"), as
+Llama 3's and GPT-4's tokenizers split digit runs; the chat markers and the tool-call tags are single tokens,
+as in Qwen2.5. Any text still encodes (byte-level fallback).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ CHAT_TEMPLATE = (
 
 def _corpus(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    texts = []
+    texts = ["user\n", "assistant\n", "system\n", "tool\n"] * 200  # role headers merge into single tokens
     for task in generate_tasks(n, seed, ArithmeticTaskConfig()):
         for message in demonstration(task, use_tool=rng.random() < 0.5, rng=rng):
             texts.append(message.get("content") or "")
@@ -64,7 +65,8 @@ def build_tokenizer(save_dir: str | None = None, *, vocab_size: int = 384, seed:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(2000, seed), trainer=trainer)
-    tok.add_tokens(TOOL_TOKENS)
+    # Number chunks 0..999 as whole tokens; the tokenizer matches them longest-first, left to right.
+    tok.add_tokens(TOOL_TOKENS + [str(i) for i in range(1000)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
