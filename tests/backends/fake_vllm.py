@@ -16,10 +16,15 @@ class FakeVLLMServer:
 
     mode: "ok", "hang" (never answers), "500" (internal error), "400" (rejects), "garbage" (no token ids).
     hold: an asyncio.Event completions wait for before answering (to keep requests in flight).
+    Weight-sync endpoints (/pause, /resume, /reset_prefix_cache, /collective_rpc) only record the calls
+    (`calls`); `hold_pause` delays the answer to /pause, `fail_rpc` makes that collective_rpc method fail.
     """
 
-    def __init__(self, mode: str = "ok", max_model_len: int = 64, hold: asyncio.Event | None = None):
+    def __init__(self, mode: str = "ok", max_model_len: int = 64, hold: asyncio.Event | None = None,
+                 hold_pause: asyncio.Event | None = None, fail_rpc: str | None = None):
         self.mode, self.max_model_len, self.hold = mode, max_model_len, hold
+        self.hold_pause, self.fail_rpc = hold_pause, fail_rpc
+        self.calls: list[str] = []  # weight-sync calls in order: "pause", "rpc:<method>", "reset", "resume"
         self.bodies: list[dict] = []  # every completion request received
         self.in_flight = 0
         self._runner = None
@@ -31,6 +36,10 @@ class FakeVLLMServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._simple("resume", {"status": "resumed"}))
+        app.router.add_post("/reset_prefix_cache", self._simple("reset", {"success": True}))
+        app.router.add_post("/collective_rpc", self._rpc)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -46,6 +55,27 @@ class FakeVLLMServer:
 
     async def _health(self, request):
         return web.Response()
+
+    async def _pause(self, request):
+        self.calls.append("pause")
+        if self.hold_pause is not None:
+            await self.hold_pause.wait()
+        return web.json_response({"status": "paused"})
+
+    def _simple(self, name, answer):
+        async def handler(request):
+            self.calls.append(name)
+            return web.json_response(answer)
+        return handler
+
+    async def _rpc(self, request):
+        body = await request.json()
+        method = body["method"]
+        self.calls.append(f"rpc:{method}")
+        if method == self.fail_rpc:
+            return web.json_response({"error": f"{method} failed"}, status=500)
+        version = body.get("kwargs", {}).get("version")
+        return web.json_response({"results": [{"version": None if version is None else int(version)}]})
 
     async def _models(self, request):
         return web.json_response({"data": [{"id": "fake-model", "max_model_len": self.max_model_len}]})

@@ -6,9 +6,11 @@ import asyncio
 import socket
 import time
 
+import jax
 import pytest
 
 from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
+from agentfly_jax.rollout.backends import vllm_worker_ext as ext
 from tests.backends.fake_vllm import FakeVLLMServer
 
 
@@ -143,6 +145,59 @@ def test_malformed_answer_is_an_error_naming_the_server():
                 await backend.generate([1], max_tokens=1)
 
     run(go, {"mode": "garbage"})
+
+
+def test_weight_update_protocol_and_requests_held_meanwhile(tiny_model):
+    """pause -> stage chunks -> commit -> reset prefix cache -> resume; a generate issued during the update
+    reaches the server only afterwards and carries the new version."""
+    model, params = tiny_model
+
+    async def go(server):
+        async with VLLMBackend(server.url, model, chunk_bytes=200_000) as backend:
+            await backend.generate([1], max_tokens=1)  # server info fetched before the update
+            update = asyncio.create_task(backend.update_weights(params, version=5))
+            while "pause" not in server.calls:  # the update now waits on /pause
+                await asyncio.sleep(0.01)
+            during = asyncio.create_task(backend.generate([1], max_tokens=1))
+            await asyncio.sleep(0.2)
+            sent_during_update = len(server.bodies) - 1
+            server.hold_pause.set()
+            await update
+            (completion,) = await during
+            return sent_during_update, completion, backend.weight_version
+
+    server_args = {"hold_pause": asyncio.Event()}
+    sent, completion, version = run(go, server_args)
+    assert sent == 0 and completion.weight_version == 5 and version == 5
+
+
+def test_weight_update_protocol_order(tiny_model):
+    model, params = tiny_model
+    tensor_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+
+    async def go(server):
+        async with VLLMBackend(server.url, model, chunk_bytes=tensor_bytes // 3) as backend:
+            await backend.update_weights(params, version=2)
+        return server.calls
+
+    calls = run(go, {})
+    stages = calls.count("rpc:" + ext.STAGE)
+    assert stages >= 3
+    assert calls == ["pause", *["rpc:" + ext.STAGE] * stages, "rpc:" + ext.COMMIT, "reset", "resume"]
+
+
+def test_failed_weight_update_aborts_resumes_and_keeps_the_version(tiny_model):
+    model, params = tiny_model
+
+    async def go(server):
+        async with VLLMBackend(server.url, model, max_retries=0) as backend:
+            with pytest.raises(VLLMServerError, match=f"version 3 failed on 1 of 1.*{server.url}"):
+                await backend.update_weights(params, version=3)
+            return server.calls, backend.weight_version, dict(backend.stats)
+
+    calls, version, stats = run(go, {"fail_rpc": ext.COMMIT})
+    assert calls[-2:] == ["rpc:" + ext.ABORT, "resume"] and "reset" not in calls
+    assert version == 0 and stats["failed_weight_updates"] == 1
 
 
 def test_update_weights_needs_the_model():

@@ -247,11 +247,11 @@ class VLLMBackend(GenerationBackend):
         if max_tokens < 1 or n < 1:
             raise ValueError(f"max_tokens and n must be >= 1, got max_tokens={max_tokens}, n={n}")
         self._loop_state()
-        await self._ready.wait()  # no request starts during a weight update
-        version = self.weight_version
         self.stats["requests"] += 1
 
         async def attempt(server: _Server):
+            await self._ready.wait()  # no attempt (retries included) starts during a weight update
+            version = self.weight_version
             info = await self._info(server)
             limit = info["max_model_len"] - len(prompt) if info["max_model_len"] else max_tokens
             if limit < 1:
