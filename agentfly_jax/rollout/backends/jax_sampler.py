@@ -495,6 +495,7 @@ class JaxSampler(GenerationBackend):
                 request.future.set_exception(RuntimeError(f"JaxSampler decode loop failed: {reason!r}"))
             else:
                 request.future.set_result(self._completions(request))
+        self._open.clear()
         self._waiting.clear()
         for slot in range(self.max_slots):
             self._release(slot)
