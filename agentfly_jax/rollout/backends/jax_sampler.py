@@ -141,8 +141,8 @@ class JaxSampler(GenerationBackend):
     Options:
       max_slots: sequences decoded together (the decode batch); more wait for a free slot.
       max_len: tokens per sequence, prompt included (default min(max_position_embeddings, 2048)).
-      steps_per_call: decode steps per jitted call (fewer host round trips; a finished sequence idles at most
-        this many steps before its slot is reused).
+      steps_per_call: decode steps per jitted call (fewer host round trips; a finished sequence's slot idles
+        for up to about twice this many steps before it is reused, since the next call is already queued).
       prefill_tokens: prompt tokens per batched prompt pass (rows = prefill_tokens // bucket length, <= 16).
       min_bucket: the smallest prompt / attention-window bucket.
       max_stop_tokens: stop ids a request may give (a static shape).
