@@ -22,7 +22,8 @@ def get_config(arg: str | None = None):
     c.resume = False
     c.progress = True
     c.log_every = 1
-    c.seq_buckets = (64, 128, 256)
+    c.seq_buckets = (64, 128, 256)  # packed row lengths (tokens)
+    c.row_bucket = 8  # packed row counts round up to a multiple of this
 
     c.task = ml_collections.ConfigDict(dict(kind="arithmetic", num_train=4000, num_eval=64, operand_min=10,
                                             operand_max=999, ops="*+-", train_path="", eval_path=""))
@@ -45,14 +46,14 @@ def get_config(arg: str | None = None):
     # SFT warm start in two stages of demonstrations: tool calls only (the call format and copying numbers),
     # then a mix in which 60% of the answers are guesses, so the warm-started agent calls its tool ~40% of
     # the time and succeeds at most about that often.
-    c.sft = ml_collections.ConfigDict(dict(stages=((500, 1.0), (150, 0.4)), steps=0, tool_fraction=1.0,
+    c.sft = ml_collections.ConfigDict(dict(stages=((600, 1.0), (150, 0.4)), steps=0, tool_fraction=1.0,
                                            batch_size=64, data_path="",
-                                           optimizer=dict(learning_rate=1e-2, warmup_steps=20, decay_steps=630,
+                                           optimizer=dict(learning_rate=1e-2, warmup_steps=20, decay_steps=730,
                                                           schedule="cosine", end_lr_ratio=0.1,
                                                           weight_decay=0.0)))
-    c.rl = ml_collections.ConfigDict(dict(steps=40, tasks_per_step=16, chains_per_task=8, ppo_epochs=1,
-                                          mini_batches=2, micro_batches=1))
-    c.optimizer = ml_collections.ConfigDict(dict(learning_rate=2e-3, warmup_steps=0, decay_steps=0,
+    c.rl = ml_collections.ConfigDict(dict(steps=50, tasks_per_step=16, chains_per_task=8, ppo_epochs=1,
+                                          mini_batches=1, micro_batches=1))
+    c.optimizer = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, decay_steps=0,
                                                  schedule="constant", weight_decay=0.0, max_grad_norm=1.0))
     c.critic_optimizer = ml_collections.ConfigDict(dict(learning_rate=3e-3, warmup_steps=0, max_grad_norm=1.0))
     c.loss = ml_collections.ConfigDict(dict(agg="token-mean", clip_eps=0.2, clip_eps_high=0.28, dual_clip=None,

@@ -145,8 +145,8 @@ def run_sft(run: Run) -> dict:
             idx = rng.choice(len(encoded), size=sft.batch_size, replace=False)
             arrays, lengths = _encoded_to_arrays([encoded[j] for j in idx], cfg.seq_buckets)
             micro, _ = build_update_batch(arrays, lengths, agg="token-mean", row_len=arrays["tokens"].shape[1],
-                                          micro_batches=cfg.rl.micro_batches, rows_multiple=_data_parallel(run),
-                                          pow2_rows=True)
+                                          micro_batches=cfg.rl.micro_batches,
+                                          rows_multiple=_rows_multiple(run) // cfg.rl.micro_batches)
             with _mesh_context(run):
                 state, metrics = step_fn(state, _put_batch(run, micro))
             step += 1
@@ -222,7 +222,7 @@ def prepare_batch(run: Run, trajectories) -> tuple[dict, np.ndarray, dict]:
                  "sampler_logprobs": arrays["sampler_logprobs"]}
 
     # Forward passes on packed rows: old logprobs (policy before this update), reference logprobs, values.
-    packed = pack(per_token, lengths, row_len=t, rows_multiple=_data_parallel(run), pow2_rows=True)
+    packed = pack(per_token, lengths, row_len=t, rows_multiple=_rows_multiple(run))
     batch = _put_batch(run, packed.arrays)
     with _mesh_context(run):
         per_token["old_logprobs"] = packed.unpack(np.asarray(run.logprob_fn(run.state.policy.params, batch)), t)
@@ -273,8 +273,8 @@ def update(run: Run, per_token: dict, lengths: np.ndarray, step: int) -> dict:
         for mb in np.array_split(rng.permutation(n), cfg.rl.mini_batches):
             sub = {k: v[mb] for k, v in per_token.items()}
             micro, _ = build_update_batch(sub, lengths[mb], agg=cfg.loss.agg, row_len=row_len,
-                                          micro_batches=cfg.rl.micro_batches, rows_multiple=_data_parallel(run),
-                                          pow2_rows=True)
+                                          micro_batches=cfg.rl.micro_batches,
+                                          rows_multiple=_rows_multiple(run) // cfg.rl.micro_batches)
             with _mesh_context(run):
                 run.state, metrics = run.train_step(run.state, _put_batch(run, micro))
             tokens_trained += int(lengths[mb].sum())
@@ -385,6 +385,13 @@ def _save(run: Run, step: int, success_before, force: bool = False) -> None:
 
 def _data_parallel(run: Run) -> int:
     return int(run.mesh.shape["data"] * run.mesh.shape["fsdp"])
+
+
+def _rows_multiple(run: Run) -> int:
+    """Packed row counts are rounded up to this: a multiple of the data-parallel size x micro-batches and of
+    `config.row_bucket` (few distinct shapes to compile, little padding)."""
+    unit = _data_parallel(run) * run.config.rl.micro_batches
+    return unit * max(1, -(-run.config.row_bucket // unit))
 
 
 def _put_batch(run: Run, arrays: dict):
