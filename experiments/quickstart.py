@@ -46,12 +46,12 @@ def get_config(arg: str | None = None):
     # SFT warm start in two stages of demonstrations: tool calls only (the call format and copying numbers),
     # then a mix in which 60% of the answers are guesses, so the warm-started agent calls its tool ~40% of
     # the time and succeeds at most about that often.
-    c.sft = ml_collections.ConfigDict(dict(stages=((600, 1.0), (150, 0.4)), steps=0, tool_fraction=1.0,
+    c.sft = ml_collections.ConfigDict(dict(stages=((500, 1.0), (150, 0.4)), steps=0, tool_fraction=1.0,
                                            batch_size=64, data_path="",
-                                           optimizer=dict(learning_rate=1e-2, warmup_steps=20, decay_steps=730,
+                                           optimizer=dict(learning_rate=1e-2, warmup_steps=20, decay_steps=630,
                                                           schedule="cosine", end_lr_ratio=0.1,
                                                           weight_decay=0.0)))
-    c.rl = ml_collections.ConfigDict(dict(steps=50, tasks_per_step=16, chains_per_task=8, ppo_epochs=1,
+    c.rl = ml_collections.ConfigDict(dict(steps=40, tasks_per_step=16, chains_per_task=8, ppo_epochs=1,
                                           mini_batches=1, micro_batches=1))
     c.optimizer = ml_collections.ConfigDict(dict(learning_rate=1e-3, warmup_steps=0, decay_steps=0,
                                                  schedule="constant", weight_decay=0.0, max_grad_norm=1.0))
