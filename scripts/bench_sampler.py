@@ -30,15 +30,7 @@ import time
 # Runnable as `python scripts/bench_sampler.py` from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {
-    # Qwen2.5-0.5B: tied embeddings, qkv bias, 14 heads of 64, 2 kv heads
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                         num_kv_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-                         num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
-                 num_kv_heads=2, tie_word_embeddings=True),
-}
+from agentfly_jax.models.shapes import SHAPES  # noqa: E402
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # matched in this order against the device name
 
 

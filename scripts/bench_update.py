@@ -17,15 +17,11 @@ import subprocess
 import sys
 import time
 
-SHAPES = {
-    # Qwen2.5-0.5B: tied embeddings, qkv bias
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-                         num_kv_heads=2, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-                         num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
-                 num_kv_heads=2, tie_word_embeddings=True),
-}
+# Runnable as `python scripts/bench_update.py` from a checkout without installing the package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agentfly_jax.models.shapes import SHAPES  # noqa: E402
+
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 

@@ -13,6 +13,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from agentfly_jax.models import sharding as shd
 
 
+def dataclass_from_mapping(cls, cfg: Mapping[str, Any] | None, what: str):
+    """`cls(**cfg)` with a clear error naming unknown keys (a misspelt config setting fails at start)."""
+    cfg = dict(cfg or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(cfg) - known
+    if unknown:
+        raise ValueError(f"unknown {what} settings {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**cfg)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with global-norm clipping and a warmup + decay schedule."""
@@ -30,12 +40,7 @@ class OptimizerConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "OptimizerConfig":
-        cfg = dict(cfg or {})
-        unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown optimizer settings {sorted(unknown)}; known: "
-                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
-        return cls(**cfg)
+        return dataclass_from_mapping(cls, cfg, "optimizer")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

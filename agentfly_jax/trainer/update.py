@@ -16,7 +16,7 @@ import optax
 
 from agentfly_jax import algorithms
 from agentfly_jax.models import CausalLM
-from agentfly_jax.trainer.state import ModelState, TrainState
+from agentfly_jax.trainer.state import ModelState, TrainState, dataclass_from_mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +38,7 @@ class LossConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "LossConfig":
-        cfg = dict(cfg or {})
-        unknown = set(cfg) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown loss settings {sorted(unknown)}; known: "
-                             f"{sorted(f.name for f in dataclasses.fields(cls))}")
-        return cls(**cfg)
+        return dataclass_from_mapping(cls, cfg, "loss")
 
 
 def _shift_right(x):

@@ -1,0 +1,11 @@
+"""Named model shapes (ModelConfig fields) used by benchmarks and experiments with random weights."""
+
+SHAPES = {
+    # Qwen2.5-0.5B: tied embeddings, qkv bias, 14 heads of 64, 2 kv heads
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+                         num_kv_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                         num_heads=12, num_kv_heads=2, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                 num_kv_heads=2, tie_word_embeddings=True),
+}
