@@ -177,27 +177,35 @@ def _encoded_to_arrays(encoded, buckets):
 
 # ========================================================================================== evaluation
 def evaluate(run: Run, step: int) -> dict:
-    """Success rate on held-out tasks (sampled at the eval temperature, `num_chains` per task)."""
+    """Success on held-out tasks: at `eval.temperature` (0 = greedy) with `eval.num_chains` per task, and, when
+    `eval.sampled_num_chains` > 0, also sampled at `eval.sampled_temperature` (logged as eval/*_sampled)."""
     ev = run.config.eval
     tasks = run.eval_tasks[:ev.num_tasks]
+    result = _eval_pass(run, step, tasks, ev.temperature, ev.num_chains, "")
+    if ev.get("sampled_num_chains", 0):
+        result.update(_eval_pass(run, step, tasks, ev.sampled_temperature, ev.sampled_num_chains, "_sampled"))
+    run.writer.scalars(step, result)
+    return result
+
+
+def _eval_pass(run: Run, step: int, tasks, temperature: float, num_chains: int, suffix: str) -> dict:
     agent = run.agent
     saved = agent.temperature
-    agent.temperature = ev.temperature
+    agent.temperature = temperature
     try:
-        trajs = run.runner.run(agent.run(tasks, num_chains=ev.num_chains, seed=10_000_019 + step,
+        trajs = run.runner.run(agent.run(tasks, num_chains=num_chains, seed=10_000_019 + step,
                                          progress=run.config.progress))
     finally:
         agent.temperature = saved
     rewards = np.array([t.reward for t in trajs])
-    result = {"eval/success": float((rewards >= run.success_threshold).mean()), "eval/reward": float(rewards.mean()),
-              "eval/turns": float(np.mean([t.num_turns for t in trajs])),
-              "eval/tool_calls": float(np.mean([t.tool_calls for t in trajs]))}
-    run.writer.scalars(step, result)
     sample = trajs[0]
-    run.writer.text(step, "eval/sample_trajectory",
+    run.writer.text(step, f"eval/sample_trajectory{suffix}",
                     f"reward={sample.reward} finish={sample.finish_reason}\n\n"
                     + run.tokenizer.decode(sample.token_ids, skip_special_tokens=False))
-    return result
+    return {f"eval/success{suffix}": float((rewards >= run.success_threshold).mean()),
+            f"eval/reward{suffix}": float(rewards.mean()),
+            f"eval/turns{suffix}": float(np.mean([t.num_turns for t in trajs])),
+            f"eval/tool_calls{suffix}": float(np.mean([t.tool_calls for t in trajs]))}
 
 
 # ============================================================================================ RL step
@@ -315,12 +323,12 @@ def train(config, workdir: str | None = None) -> dict:
             run.state = jax.device_put(tree["state"], run.shardings)
             sync_weights(run, meta["weight_version"])
             log.info("resumed from step %d (%s)", start_step, run.checkpointer.directory)
-            before = meta.get("success_before")
+            before = meta.get("eval_before") or {}
         else:
             if config.sft.steps or config.sft.get("stages"):
                 sft_metrics = run_sft(run)
                 sync_weights(run, 0)
-            before = evaluate(run, 0)["eval/success"] if config.eval.num_tasks else None
+            before = evaluate(run, 0) if config.eval.num_tasks else {}
             _save(run, 0, before, force=True)
 
         # --- RL loop --------------------------------------------------------------------------------
@@ -352,13 +360,17 @@ def train(config, workdir: str | None = None) -> dict:
             run.writer.flush()
 
         # --- Final eval, checkpoint, summary ----------------------------------------------------------
-        after = evaluate(run, config.rl.steps)["eval/success"] if config.eval.num_tasks else None
+        after = evaluate(run, config.rl.steps) if config.eval.num_tasks else {}
         _save(run, config.rl.steps, before, force=True)
         # The trained policy in Hugging Face format (transformers and vLLM load it), with its tokenizer.
         final_dir = os.path.join(workdir, "final_policy")
         save_pretrained(run.policy, jax.device_get(run.state.policy.params), final_dir)
         run.tokenizer.save_pretrained(final_dir)
-        summary = {"algorithm": config.algorithm, "success_before": before, "success_after": after,
+        summary = {"algorithm": config.algorithm, "success_before": before.get("eval/success"),
+                   "success_after": after.get("eval/success"),
+                   "success_before_sampled": before.get("eval/success_sampled"),
+                   "success_after_sampled": after.get("eval/success_sampled"),
+                   "eval_temperature": config.eval.temperature,
                    "steps": config.rl.steps, "wall_seconds": round(time.time() - t_start, 1),
                    "resumed_from": start_step if restored is not None else None, "sft": sft_metrics,
                    "backend": config.backend, "workdir": os.path.abspath(workdir), "final_policy": final_dir}
@@ -377,9 +389,9 @@ def _checkpoint_tree(run: Run) -> dict:
     return {"state": run.state}
 
 
-def _save(run: Run, step: int, success_before, force: bool = False) -> None:
+def _save(run: Run, step: int, eval_before: dict, force: bool = False) -> None:
     meta = {"step": step, "weight_version": step, "algorithm": run.config.algorithm,
-            "success_before": success_before, "data_position": step * run.config.rl.tasks_per_step}
+            "eval_before": eval_before, "data_position": step * run.config.rl.tasks_per_step}
     run.checkpointer.save(step, _checkpoint_tree(run), meta, force=force)
 
 
