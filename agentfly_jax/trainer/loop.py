@@ -177,13 +177,13 @@ def _encoded_to_arrays(encoded, buckets):
 
 # ========================================================================================== evaluation
 def evaluate(run: Run, step: int) -> dict:
-    """Success on held-out tasks: at `eval.temperature` (0 = greedy) with `eval.num_chains` per task, and, when
-    `eval.sampled_num_chains` > 0, also sampled at `eval.sampled_temperature` (logged as eval/*_sampled)."""
+    """Success on held-out tasks sampled at `eval.temperature` with `eval.num_chains` per task (the policy's
+    success rate), and with `eval.greedy` also greedy decoding, one chain per task (logged as eval/*_greedy)."""
     ev = run.config.eval
     tasks = run.eval_tasks[:ev.num_tasks]
     result = _eval_pass(run, step, tasks, ev.temperature, ev.num_chains, "")
-    if ev.get("sampled_num_chains", 0):
-        result.update(_eval_pass(run, step, tasks, ev.sampled_temperature, ev.sampled_num_chains, "_sampled"))
+    if ev.get("greedy", False):
+        result.update(_eval_pass(run, step, tasks, 0.0, 1, "_greedy"))
     run.writer.scalars(step, result)
     return result
 
@@ -368,8 +368,8 @@ def train(config, workdir: str | None = None) -> dict:
         run.tokenizer.save_pretrained(final_dir)
         summary = {"algorithm": config.algorithm, "success_before": before.get("eval/success"),
                    "success_after": after.get("eval/success"),
-                   "success_before_sampled": before.get("eval/success_sampled"),
-                   "success_after_sampled": after.get("eval/success_sampled"),
+                   "success_before_greedy": before.get("eval/success_greedy"),
+                   "success_after_greedy": after.get("eval/success_greedy"),
                    "eval_temperature": config.eval.temperature,
                    "steps": config.rl.steps, "wall_seconds": round(time.time() - t_start, 1),
                    "resumed_from": start_step if restored is not None else None, "sft": sft_metrics,
