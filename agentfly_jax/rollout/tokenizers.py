@@ -106,6 +106,15 @@ def _add_tokens_in_order(backend, tokens: list[tuple[str, bool]]) -> None:
             )
 
 
+def _finish(tokenizer, chat_template: str | None, save_dir: str | Path | None):
+    """Sets the chat template (when given) and saves the tokenizer (when asked)."""
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if save_dir is not None:
+        tokenizer.save_pretrained(str(save_dir))
+    return tokenizer
+
+
 def build_qwen2_5_tokenizer(save_dir: str | Path | None = None, chat_template: str | None = None):
     """The Qwen2.5(-Instruct) tokenizer rebuilt offline; saved with `save_pretrained` if `save_dir` is given.
 
@@ -122,11 +131,7 @@ def build_qwen2_5_tokenizer(save_dir: str | Path | None = None, chat_template: s
         extra_special_tokens=[text for text, special in QWEN2_5_ADDED_TOKENS[1:14] if special],
         clean_up_tokenization_spaces=False,
     )
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if save_dir is not None:
-        tokenizer.save_pretrained(str(save_dir))
-    return tokenizer
+    return _finish(tokenizer, chat_template, save_dir)
 
 
 def build_llama3_style_tokenizer(save_dir: str | Path | None = None, chat_template: str | None = None):
@@ -163,8 +168,4 @@ def build_llama3_style_tokenizer(save_dir: str | Path | None = None, chat_templa
         ],
         clean_up_tokenization_spaces=False,
     )
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    if save_dir is not None:
-        tokenizer.save_pretrained(str(save_dir))
-    return tokenizer
+    return _finish(tokenizer, chat_template, save_dir)

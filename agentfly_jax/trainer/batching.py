@@ -72,29 +72,20 @@ class PackedBatch:
         return out
 
 
-def bucket_rows(used: int, multiple: int) -> int:
-    """Row count for `used` rows: `multiple` x the next power of two, so a run sees few distinct shapes."""
-    units = max(1, -(-used // multiple))
-    return multiple * (1 << (units - 1).bit_length())
-
-
 def pack(arrays: Mapping[str, np.ndarray], lengths: np.ndarray, *, row_len: int, rows_multiple: int = 1,
-         num_rows: int | None = None, pow2_rows: bool = False) -> PackedBatch:
+         num_rows: int | None = None) -> PackedBatch:
     """Packs per-trajectory arrays `[N, T]` (keys of PER_TOKEN_KEYS) into rows `[R, row_len]`.
 
     Adds `segment_ids` (1, 2, ... per row; 0 = padding) and `positions` (restarting at 0 per segment).
-    R is the number of rows needed, rounded up to `rows_multiple` (to `rows_multiple` x a power of two with
-    `pow2_rows`, to bound the number of compiled shapes), or exactly `num_rows` if given.
+    R is the number of rows needed, rounded up to `rows_multiple` (a coarse multiple bounds the number of
+    compiled shapes), or exactly `num_rows` if given.
     """
     unknown = set(arrays) - set(PER_TOKEN_KEYS)
     if unknown:
         raise KeyError(f"pack() got unknown per-token arrays {sorted(unknown)}; known: {sorted(PER_TOKEN_KEYS)}")
     lengths = np.asarray(lengths, np.int32)
     row, offset, used = first_fit_decreasing(lengths, row_len)
-    if num_rows is not None:
-        n_rows = num_rows
-    else:
-        n_rows = bucket_rows(used, rows_multiple) if pow2_rows else round_up(used, rows_multiple)
+    n_rows = round_up(used, rows_multiple) if num_rows is None else num_rows
     if n_rows < used:
         raise ValueError(f"{len(lengths)} sequences need {used} rows of {row_len} tokens but num_rows={n_rows}")
     out = {k: np.full((n_rows, row_len), PER_TOKEN_KEYS[k], dtype=np.asarray(v).dtype) for k, v in arrays.items()}
@@ -147,8 +138,7 @@ def split_microbatches(arrays: Mapping[str, np.ndarray], num_micro: int) -> dict
 
 def build_update_batch(arrays: Mapping[str, np.ndarray], lengths: np.ndarray, *, agg: str, row_len: int,
                        micro_batches: int = 1, rows_multiple: int = 1, norm_len: int | None = None,
-                       num_rows: int | None = None, pow2_rows: bool = False
-                       ) -> tuple[dict[str, np.ndarray], PackedBatch]:
+                       num_rows: int | None = None) -> tuple[dict[str, np.ndarray], PackedBatch]:
     """One mini-batch for `train_step`: loss weights for `agg` over the whole mini-batch, packed rows split
     into `micro_batches`, and `num_action_tokens`. Returns (micro-batch arrays [M, R/M, L], the PackedBatch).
 
@@ -158,7 +148,7 @@ def build_update_batch(arrays: Mapping[str, np.ndarray], lengths: np.ndarray, *,
     arrays = dict(arrays)
     arrays["loss_weights"] = loss_token_weights(arrays["action_mask"], agg, norm_len=norm_len)
     packed = pack(arrays, lengths, row_len=row_len, rows_multiple=micro_batches * rows_multiple,
-                  num_rows=num_rows, pow2_rows=pow2_rows)
+                  num_rows=num_rows)
     micro = split_microbatches(packed.arrays, micro_batches)
     n_tokens = float((np.asarray(arrays["action_mask"]) > 0).sum())
     micro["num_action_tokens"] = np.full((micro_batches,), n_tokens, np.float32)

@@ -10,6 +10,7 @@ else is plain Python around jitted functions. Numbers come from the experiment c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -222,8 +223,7 @@ def rollout(run: Run, step: int):
 def prepare_batch(run: Run, trajectories) -> tuple[dict, np.ndarray, dict]:
     """Trajectories -> per-trajectory arrays with old/ref logprobs, values and advantages (+ metrics)."""
     cfg = run.config
-    arrays = trajectories_to_batch(trajectories)
-    t = choose_bucket(int(arrays["lengths"].max()), cfg.seq_buckets)
+    t = choose_bucket(max(traj.length for traj in trajectories), cfg.seq_buckets)
     arrays = trajectories_to_batch(trajectories, pad_to=t)
     lengths = arrays["lengths"]
     per_token = {"tokens": arrays["tokens"], "action_mask": arrays["action_mask"],
@@ -421,17 +421,8 @@ def _put_batch(run: Run, arrays: dict):
     return out
 
 
-class _mesh_context:
-    """`with jax.set_mesh(mesh), axis_rules(rules)` as one object."""
-
-    def __init__(self, run: Run):
-        self._mesh = jax.set_mesh(run.mesh)
-        self._rules = shd.axis_rules(run.rules)
-
-    def __enter__(self):
-        self._mesh.__enter__()
-        self._rules.__enter__()
-
-    def __exit__(self, *exc):
-        self._rules.__exit__(*exc)
-        self._mesh.__exit__(*exc)
+@contextlib.contextmanager
+def _mesh_context(run: Run):
+    """The run's mesh and logical axis rules, active while tracing/running jitted steps."""
+    with jax.set_mesh(run.mesh), shd.axis_rules(run.rules):
+        yield

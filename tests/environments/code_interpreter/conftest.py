@@ -1,15 +1,2 @@
-import pytest
-
-from tests.envs import sandbox_helpers
-
-
-@pytest.fixture(scope="module")
-def loop():
-    """One event loop per module, so a module's docker tests share one pool of warm containers."""
-    yield from sandbox_helpers.new_loop()
-
-
-@pytest.fixture(params=["bwrap", pytest.param("docker", marks=pytest.mark.docker)])
-def backend(request, loop):
-    sandbox_helpers.require_backend(loop, request.param)
-    return request.param
+# The same per-module event loop and bwrap/docker backend parameters as the sandbox tests.
+from tests.envs.conftest import backend, loop  # noqa: F401
