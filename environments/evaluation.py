@@ -1,0 +1,345 @@
+"""Evaluating an agent on an environment's held-out tasks, through the real tool + reward + pool pipeline.
+
+The contract every environment package follows (`scripts/eval_env.py --env NAME` relies on it):
+
+    # environments/<NAME>/__init__.py
+    def eval_spec(**options) -> environments.evaluation.EvalSpec: ...
+
+`EvalSpec` says everything an evaluation needs:
+
+- `tasks(split, num, seed) -> list[dict]`: dataset rows of a split ("train", "dev", "test", as the
+  environment defines them). Every row has a non-empty `question` (what the agent is asked) plus the fields
+  the environment's `reset(task)`, tools and reward read (e.g. `task_name`/`variation`, `game_file`).
+  Deterministic in `seed`.
+- `tools`: the Tool objects the agent may call (stateful tools name their pool).
+- `reward`: the @reward function scoring a finished chain (environment-backed rewards name their pool).
+- `pools`: {pool name: ResourceManager pool config dict} for every pool the tools and reward use.
+- `oracle_policy(task, rng)` and `random_policy(task, rng)`: scripted policies (see below). The oracle must
+  solve every task (success 1.0 is the check that tools, environment and reward agree); the random one is
+  the floor.
+- `system_prompt`: the instructions a model agent gets (the ReAct agent appends the tool list and format).
+- `max_turns`: assistant turns per chain; `success_threshold`: reward at or above which a chain succeeded.
+
+A scripted policy is a generator function `policy(task, rng)` that yields tool calls
+`{"name": tool_name, "arguments": {...}}`, receives the observation text of each call back from `yield`
+(`observation = yield call`), and returns the final answer text (or None for an empty one):
+
+    def oracle(task, rng):
+        observation = yield {"name": "search", "arguments": {"query": task["question"]}}
+        return task["answer"]
+
+`scripted_calls(calls, final_answer)` builds one from a fixed list of calls.
+
+Scripted policies run as agents like any model does: `ScriptedAgent` (a ReactAgent) writes each call as a
+ReAct turn, `ScriptedBackend` turns that text into "sampled" token ids, and the rollout parses the turn,
+runs the tool on the chain's pooled environment, feeds the observation back and scores the chain with the
+reward — exactly the path a model agent takes. Only the sampling is scripted.
+
+`evaluate(spec, agent, tasks, ...)` runs any agent on tasks with a ResourceManager built from
+`spec.pools` and summarises: success rate, mean reward, turns, tool calls and tool errors per chain, tool
+latency and the pools' counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import inspect
+import json
+import random
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from typing import Any
+
+from agentfly_jax.envs import ResourceManager
+from agentfly_jax.rewards.decorator import Reward
+from agentfly_jax.rollout.agents.react import ReactAgent
+from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+from agentfly_jax.tools.decorator import Tool
+from agentfly_jax.tools.execute import ToolResult
+
+#: A scripted policy: yields tool calls, receives each call's observation, returns the final answer.
+ScriptedPolicy = Callable[[Mapping[str, Any], random.Random], Generator[dict, str, "str | None"]]
+
+SPLITS = ("train", "dev", "test")
+
+
+@dataclasses.dataclass
+class EvalSpec:
+    """Everything needed to evaluate agents on one environment; see the module docstring."""
+
+    name: str
+    tasks: Callable[[str, int, int], list[dict]]
+    tools: list[Tool]
+    reward: Reward
+    pools: dict[str, dict]
+    oracle_policy: ScriptedPolicy
+    random_policy: ScriptedPolicy
+    system_prompt: str
+    max_turns: int = 30
+    success_threshold: float = 1.0
+    #: longest observation (characters) a tool call returns to the agent
+    max_observation_chars: int = 8192
+
+    def __post_init__(self):
+        where = f"EvalSpec {self.name!r}"
+        for tool in self.tools:
+            if not isinstance(tool, Tool):
+                raise TypeError(f"{where}: tools must be @tool objects, got {tool!r}")
+            if tool.stateful and tool.pool not in self.pools:
+                raise ValueError(
+                    f"{where}: tool '{tool.name}' uses pool '{tool.pool}' but pools has {sorted(self.pools)}; "
+                    "add a pool config for it"
+                )
+        if not isinstance(self.reward, Reward):
+            raise TypeError(f"{where}: reward must be a @reward function, got {self.reward!r}")
+        if self.reward.needs_env and self.reward.pool not in self.pools:
+            raise ValueError(
+                f"{where}: reward '{self.reward.name}' uses pool '{self.reward.pool}' but pools has "
+                f"{sorted(self.pools)}"
+            )
+        if self.max_turns < 1:
+            raise ValueError(f"{where}: max_turns={self.max_turns}; expected at least 1")
+
+
+def scripted_calls(calls: Sequence[Mapping[str, Any]], final_answer: str | None = None) -> Generator:
+    """A scripted policy's generator that makes `calls` in order (ignoring observations), then answers."""
+    for call in calls:
+        yield dict(call)
+    return final_answer
+
+
+# --------------------------------------------------------------------------------------------------
+# Scripted agents: the policy is a program, everything else is the real rollout
+# --------------------------------------------------------------------------------------------------
+
+
+class _ChainScript:
+    """One chain's scripted policy, its generator and the observation of the previous turn's calls."""
+
+    def __init__(self, policy: ScriptedPolicy, task: Mapping[str, Any], rng: random.Random):
+        self.generator = policy(dict(task), rng)
+        if not inspect.isgenerator(self.generator):
+            raise TypeError(
+                f"a scripted policy must be a generator function (yield tool calls); "
+                f"{getattr(policy, '__name__', policy)!r} returned {type(self.generator).__name__}"
+            )
+        self.started = False
+        self.finished = False
+        self.observation = ""
+        self.final_answer: str | None = None
+
+    def next_turn(self) -> dict | None:
+        """The next tool call, or None once the policy has returned (its answer is in `final_answer`)."""
+        if self.finished:
+            return None
+        try:
+            if not self.started:
+                self.started = True
+                call = next(self.generator)
+            else:
+                call = self.generator.send(self.observation)
+        except StopIteration as stop:
+            self.finished = True
+            self.final_answer = stop.value
+            return None
+        if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
+            raise TypeError(f'a scripted policy must yield {{"name": ..., "arguments": {{...}}}}, got {call!r}')
+        return {"name": call["name"], "arguments": dict(call.get("arguments") or {})}
+
+
+# The calling chain's script. Every chain runs in its own asyncio task, which has its own copy of the context:
+# ScriptedAgent.build_messages (run at the start of the chain, inside its task) sets it, and the backend's
+# generate and the agent's observation_messages (later in the same task) read it.
+_CHAIN_SCRIPT: contextvars.ContextVar[_ChainScript | None] = contextvars.ContextVar("chain_script", default=None)
+
+
+def render_react_turn(call: dict | None, final_answer: str | None, step: int) -> str:
+    """The ReAct text of one scripted turn: a tool call, or the final answer."""
+    if call is None:
+        return f"Thought: I am done.\nFinal Answer: {final_answer or ''}"
+    arguments = json.dumps(call["arguments"], ensure_ascii=False)
+    return f"Thought: step {step}.\nAction: {call['name']}\nAction Input: {arguments}"
+
+
+class ScriptedBackend(GenerationBackend):
+    """A generation backend whose "samples" are the calling chain's scripted turns, tokenised.
+
+    Works with `ScriptedAgent` only (it sets up each chain's script). Every sampled token gets logprob 0
+    (the script is deterministic); a turn longer than `max_tokens` is cut there (finish_reason "length").
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.turns = 0
+
+    async def generate(self, prompt_token_ids, *, max_tokens, temperature=1.0, top_p=1.0, top_k=-1,
+                       stop_token_ids=(), n=1, seed=None) -> list[Completion]:
+        script = _CHAIN_SCRIPT.get()
+        if script is None:
+            raise RuntimeError(
+                "ScriptedBackend.generate was called outside a ScriptedAgent chain; build the agent with "
+                "ScriptedAgent(policy, ...) so each chain has its script"
+            )
+        completions = []
+        for _ in range(n):
+            call = script.next_turn()
+            self.turns += 1
+            text = render_react_turn(call, script.final_answer, self.turns)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(ids) >= max_tokens:
+                completions.append(Completion(ids[:max_tokens], [0.0] * max_tokens, "length"))
+                continue
+            ids.append(int(stop_token_ids[0]))
+            completions.append(Completion(ids, [0.0] * len(ids), "stop", self.weight_version))
+        return completions
+
+    async def update_weights(self, params: Any, version: int) -> None:
+        raise NotImplementedError("a scripted policy has no weights to update")
+
+
+class ScriptedAgent(ReactAgent):
+    """A ReAct agent whose turns come from a scripted policy (oracle, random, ...) instead of a model.
+
+    Give it a ScriptedBackend; `policy(task, rng)` is a generator function (see the module docstring).
+    `seed` makes the per-chain random generators reproducible: chain j of task i gets Random(f"{seed}/{i}/{j}").
+    """
+
+    def __init__(self, policy: ScriptedPolicy, backend: ScriptedBackend, tokenizer: Any, *, seed: int = 0,
+                 **kwargs: Any):
+        if not isinstance(backend, ScriptedBackend):
+            raise TypeError(f"ScriptedAgent needs a ScriptedBackend, got {type(backend).__name__}")
+        super().__init__(backend, tokenizer, **kwargs)
+        self.policy = policy
+        self.seed = seed
+        self._chains_started = 0
+
+    def _chain_rng(self) -> random.Random:
+        # Chains run as tasks named "<run id>/<task index>/<chain index>" (agentfly_jax.rollout.chain).
+        task = asyncio.current_task()
+        parts = task.get_name().split("/") if task is not None else []
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            return random.Random(f"{self.seed}/{parts[1]}/{parts[2]}")
+        self._chains_started += 1
+        return random.Random(f"{self.seed}/chain{self._chains_started}")
+
+    def build_messages(self, task: Mapping[str, Any]) -> list[dict]:
+        """The ReAct prompt; also starts this chain's script (see `_CHAIN_SCRIPT`)."""
+        _CHAIN_SCRIPT.set(_ChainScript(self.policy, task, self._chain_rng()))
+        return super().build_messages(task)
+
+    def observation_messages(self, results: Sequence[ToolResult]) -> list[dict]:
+        """The ReAct observation message; the script sees the same observation text."""
+        script = _CHAIN_SCRIPT.get()
+        if script is not None:
+            script.observation = "\n".join(result.observation for result in results)
+        return super().observation_messages(results)
+
+
+def scripted_tokenizer():
+    """The tokenizer scripted agents encode their turns with: the offline Qwen2.5 tokenizer."""
+    from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
+
+    return build_qwen2_5_tokenizer()
+
+
+def scripted_agent(spec: EvalSpec, which: str, env_provider: Any, *, tokenizer: Any = None, seed: int = 0,
+                   **agent_options: Any) -> ScriptedAgent:
+    """The oracle or random agent of `spec` (which: "oracle" | "random"), wired to `env_provider`."""
+    policies = {"oracle": spec.oracle_policy, "random": spec.random_policy}
+    if which not in policies:
+        raise ValueError(f"unknown scripted agent {which!r}; expected one of {sorted(policies)}")
+    tokenizer = tokenizer if tokenizer is not None else scripted_tokenizer()
+    options = dict(
+        tools=spec.tools,
+        reward_fn=spec.reward,
+        chat_template="qwen2.5",
+        system_prompt=spec.system_prompt,
+        env_provider=env_provider,
+        max_turns=spec.max_turns,
+        max_new_tokens=2048,
+        max_context_tokens=1_000_000,
+        max_observation_chars=spec.max_observation_chars,
+        parallel_tool_calls=False,
+    )
+    options.update(agent_options)
+    return ScriptedAgent(policies[which], ScriptedBackend(tokenizer), tokenizer, seed=seed, **options)
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+def summarize(trajectories: Sequence[Any], success_threshold: float) -> dict[str, Any]:
+    """Success rate, mean reward, turns, tool calls and tool errors over finished chains (pure)."""
+    n = len(trajectories)
+    if n == 0:
+        raise ValueError("no trajectories to summarise")
+    rewards = [float(t.reward) for t in trajectories]
+    tool_errors = [int(t.metrics.get("tool_errors", 0)) for t in trajectories]
+    finish: dict[str, int] = {}
+    for t in trajectories:
+        finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1
+    return {
+        "chains": n,
+        "success": sum(r >= success_threshold for r in rewards) / n,
+        "reward_mean": sum(rewards) / n,
+        "turns_mean": sum(t.num_turns for t in trajectories) / n,
+        "tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
+        "tool_errors_total": sum(tool_errors),
+        "tool_errors_mean": sum(tool_errors) / n,
+        "reward_failures": sum("reward_failed" in t.flags for t in trajectories),
+        "chain_errors": sum(t.finish_reason == "error" for t in trajectories),
+        "finish_reasons": finish,
+    }
+
+
+async def evaluate(spec: EvalSpec, make_agent: Callable[[ResourceManager], Any], tasks: Sequence[dict], *,
+                   num_chains: int = 1, seed: int = 0, pool_overrides: Mapping[str, Mapping] | None = None,
+                   progress: bool = False, timeout: float | None = None) -> dict[str, Any]:
+    """Runs the agent `make_agent(manager)` on `tasks` with pools from `spec.pools`; returns the summary.
+
+    pool_overrides: {pool: {field: value}} merged into the spec's pool configs (e.g. max_size).
+    The summary has `summarize`'s figures plus `per_task` rows, rollout counters (`rollout`) and the
+    pools' counters (`pools`).
+    """
+    pools = {}
+    for name, config in spec.pools.items():
+        merged = dict(config)
+        merged.update((pool_overrides or {}).get(name, {}))
+        pools[name] = merged
+    unknown = set(pool_overrides or {}) - set(pools)
+    if unknown:
+        raise ValueError(f"pool_overrides names unknown pools {sorted(unknown)}; {spec.name} has {sorted(pools)}")
+    manager = ResourceManager(pools)
+    started = time.perf_counter()
+    try:
+        agent = make_agent(manager)
+        trajectories = await agent.run(list(tasks), num_chains=num_chains, seed=seed, progress=progress,
+                                       timeout=timeout)
+        pool_metrics = manager.metrics()
+    finally:
+        await manager.close()
+    summary = summarize(trajectories, spec.success_threshold)
+    summary["env"] = spec.name
+    summary["tasks"] = len(tasks)
+    summary["wall_s"] = time.perf_counter() - started
+    stats = dict(getattr(agent, "last_run_stats", {}))
+    summary["tool_latency_s_mean"] = stats.get("tool_latency_s_mean", 0.0)
+    summary["rollout"] = stats
+    summary["pools"] = pool_metrics
+    summary["per_task"] = [
+        {
+            "task": {k: v for k, v in tasks[i // num_chains].items() if k != "question"},
+            "reward": float(t.reward),
+            "turns": t.num_turns,
+            "tool_calls": t.tool_calls,
+            "tool_errors": int(t.metrics.get("tool_errors", 0)),
+            "finish_reason": t.finish_reason,
+            **({"reward_error": t.reward_extras["reward_error"]} if "reward_error" in t.reward_extras else {}),
+        }
+        for i, t in enumerate(trajectories)
+    ]
+    return summary

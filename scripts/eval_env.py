@@ -1,0 +1,148 @@
+"""Evaluate an agent on an environment's held-out tasks: success, mean reward, turns and tool errors.
+
+    .venv/bin/python scripts/eval_env.py --env scienceworld --agent oracle --num 4
+    .venv/bin/python scripts/eval_env.py --env alfworld --agent random --num 12 --seed 1 --json out.json
+    .venv/bin/python scripts/eval_env.py --env alfworld --agent model --backend jax --model runs/x/final_policy
+    .venv/bin/python scripts/eval_env.py --env scienceworld --agent model --backend vllm \
+        --model runs/x/final_policy --vllm-url http://127.0.0.1:8000
+
+`--env NAME` imports `environments.NAME` and calls its `eval_spec(**options)` (options from `--option k=v`,
+values parsed as JSON when they parse). The agent runs through the real rollout: tools on pooled
+environments (ResourceManager), the environment's reward. `oracle` and `random` are scripted agents (the
+environment's oracle and random policies, see environments/evaluation.py); `model` is a ReAct agent sampling
+from a checkpoint (embedded JAX sampler or a vLLM server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runnable from a checkout
+
+from environments.evaluation import EvalSpec, evaluate, scripted_agent  # noqa: E402
+
+
+def parse_options(pairs: list[str]) -> dict:
+    """["k=v", ...] -> {k: v} with JSON values where they parse (numbers, booleans, lists), else strings."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def load_spec(name: str, options: dict) -> EvalSpec:
+    """`environments.<name>.eval_spec(**options)`, with errors that say what is missing."""
+    try:
+        module = importlib.import_module(f"environments.{name}")
+    except ModuleNotFoundError as error:
+        raise SystemExit(f"--env {name!r}: cannot import environments.{name} ({error})") from error
+    if not hasattr(module, "eval_spec"):
+        raise SystemExit(f"--env {name!r}: environments.{name} has no eval_spec(**options) function")
+    spec = module.eval_spec(**options)
+    if not isinstance(spec, EvalSpec):
+        raise SystemExit(f"environments.{name}.eval_spec() returned {type(spec).__name__}, not an EvalSpec")
+    return spec
+
+
+def model_agent_factory(spec: EvalSpec, args):
+    """A ReAct agent over a checkpoint (JAX sampler or vLLM server) for `evaluate`."""
+    from transformers import AutoTokenizer
+
+    from agentfly_jax.models import load_pretrained
+    from agentfly_jax.rollout.agents import ReactAgent
+
+    if not args.model:
+        raise SystemExit("--agent model needs --model PATH (a Hugging Face checkpoint directory)")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model, params = load_pretrained(args.model)
+    if args.backend == "jax":
+        from agentfly_jax.rollout.backends import JaxSampler
+
+        backend = JaxSampler(model, params, max_slots=max(1, args.num * args.chains), max_len=args.max_context)
+    else:
+        from agentfly_jax.rollout.backends import VLLMBackend
+
+        if not args.vllm_url:
+            raise SystemExit("--backend vllm needs --vllm-url http://HOST:PORT")
+        backend = VLLMBackend(args.vllm_url, model)
+
+    def make(manager):
+        return ReactAgent(backend, tokenizer, tools=spec.tools, reward_fn=spec.reward,
+                          chat_template=args.chat_template or None, system_prompt=spec.system_prompt,
+                          env_provider=manager, max_turns=args.max_turns or spec.max_turns,
+                          max_new_tokens=args.max_new_tokens, max_context_tokens=args.max_context,
+                          temperature=args.temperature, max_observation_chars=spec.max_observation_chars)
+
+    return make, backend
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env", required=True, help="environment package under environments/ (e.g. alfworld)")
+    parser.add_argument("--agent", choices=("oracle", "random", "model"), default="oracle")
+    parser.add_argument("--backend", choices=("jax", "vllm"), default="jax", help="for --agent model")
+    parser.add_argument("--model", default="", help="HF checkpoint directory, for --agent model")
+    parser.add_argument("--vllm-url", action="append", default=[], help="vLLM server URL (repeatable)")
+    parser.add_argument("--chat-template", default="", help="'qwen2.5', 'llama3' or '' (the tokenizer's own)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--num", type=int, default=8, help="number of tasks")
+    parser.add_argument("--chains", type=int, default=1, help="chains per task")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-turns", type=int, default=0, help="0: the environment's default")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-context", type=int, default=8192)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--pool-size", type=int, default=0, help="max instances per pool (0: the spec's)")
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE passed to eval_spec()")
+    parser.add_argument("--json", default="", help="write the full summary (with per-task rows) here")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    spec = load_spec(args.env, parse_options(args.option))
+    tasks = spec.tasks(args.split, args.num, args.seed)
+    backend = None
+    if args.agent == "model":
+        make_agent, backend = model_agent_factory(spec, args)
+    else:
+        overrides = {"max_turns": args.max_turns} if args.max_turns else {}
+
+        def make_agent(manager):
+            return scripted_agent(spec, args.agent, manager, seed=args.seed, **overrides)
+
+    pool_overrides = {name: {"max_size": args.pool_size} for name in spec.pools} if args.pool_size else None
+
+    async def run():
+        try:
+            return await evaluate(spec, make_agent, tasks, num_chains=args.chains, seed=args.seed,
+                                  pool_overrides=pool_overrides, progress=args.progress)
+        finally:
+            if backend is not None:
+                await backend.close()
+
+    summary = asyncio.run(run())
+    summary.update(agent=args.agent, split=args.split, seed=args.seed)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2, default=str)
+    headline = {k: summary[k] for k in ("env", "agent", "split", "tasks", "chains", "success", "reward_mean",
+                                        "turns_mean", "tool_calls_mean", "tool_errors_total", "tool_latency_s_mean",
+                                        "wall_s")}
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in headline.items()}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
