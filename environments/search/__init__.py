@@ -13,6 +13,7 @@
 
 from environments.search.corpus import Document, load_corpus
 from environments.search.env import SearchEnv, create_search_env
+from environments.search.evaluation import eval_spec
 from environments.search.index import SearchIndex
 
 #: Resource-manager pool config for this environment (override any field in the experiment config).
@@ -25,4 +26,4 @@ POOL_CONFIG = {
     "acquire_timeout": 300.0,
 }
 
-__all__ = ["Document", "POOL_CONFIG", "SearchEnv", "SearchIndex", "create_search_env", "load_corpus"]
+__all__ = ["Document", "POOL_CONFIG", "SearchEnv", "SearchIndex", "create_search_env", "eval_spec", "load_corpus"]

@@ -8,9 +8,13 @@ search environment and the WebShop product search.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+# bm25s logs a DEBUG line through its own handler on every index build.
+logging.getLogger("bm25s").setLevel(logging.WARNING)
 
 
 def _require_bm25s():

@@ -21,6 +21,7 @@ from environments.webshop.catalog import (
     load_official_catalog,
 )
 from environments.webshop.env import WebShopEnv, create_webshop_env
+from environments.webshop.evaluation import eval_spec
 from environments.webshop.reward import type_reward, webshop_score
 from environments.webshop.shop import Shop, ShopSession, get_shop, parse_action
 
@@ -45,6 +46,7 @@ __all__ = [
     "WebShopEnv",
     "build_goals",
     "create_webshop_env",
+    "eval_spec",
     "generate_catalog",
     "generate_products",
     "get_shop",

@@ -1,0 +1,95 @@
+"""The search environment's evaluation spec (environments/evaluation.py): question rows by split, the
+`search` tool, QA exact match, the pool, and oracle / random scripted policies.
+
+Splits for `question_set="generated"`: "train" (questions about train articles) and "dev" / "test" (the
+held-out articles' questions, first and second half). For "fanoutqa" / "fanoutqa_sub" every split is the
+filtered FanOutQA dev set (it is an evaluation set only).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from agentfly_jax.rewards.qa import normalize_qa_answer
+
+SYSTEM_PROMPT = (
+    "Answer the question. Use the search tool to look things up in Wikipedia article summaries; it returns "
+    "titles, short descriptions and the start of each summary. Give a short final answer (a name, a year, "
+    "a title)."
+)
+
+
+def _answer_shown(answers: list[str], observation: str) -> str | None:
+    text = normalize_qa_answer(observation)
+    for answer in answers:
+        if normalize_qa_answer(answer) and f" {normalize_qa_answer(answer)} " in f" {text} ":
+            return answer
+    return None
+
+
+def oracle_policy(task: Mapping[str, Any], rng: random.Random):
+    """Searches the question; if the results do not show the answer, searches the gold articles by title;
+    answers with the gold answer that the results show (else the gold answer: a FanOutQA answer may not be
+    in the summaries)."""
+    answers = [str(a) for a in task["answer"]]
+    observation = yield {"name": "search", "arguments": {"query": task["raw_question"], "k": 5}}
+    shown = _answer_shown(answers, observation)
+    for title in task.get("gold_titles", [])[:10]:
+        if shown is not None:
+            break
+        observation = yield {"name": "search", "arguments": {"query": title, "k": 3}}
+        shown = _answer_shown(answers, observation)
+    return shown if shown is not None else answers[0]
+
+
+def random_policy(task: Mapping[str, Any], rng: random.Random):
+    """Searches three random words of the question and answers with a random result title."""
+    words = task["raw_question"].split()
+    observation = yield {"name": "search",
+                         "arguments": {"query": " ".join(rng.sample(words, min(3, len(words)))), "k": 5}}
+    titles = re.findall(r"^\d+\. (.+?)(?: — .*)?$", observation, re.MULTILINE)
+    return rng.choice(titles) if titles else "I don't know"
+
+
+def eval_spec(*, question_set: str = "generated", question_types: str | list[str] = "", retriever: str = "bm25",
+              cache: str = "", pool_size: int = 64, max_turns: int = 14, seed: int = 0):
+    """The evaluation spec of the search environment.
+
+    question_set: "generated", "fanoutqa" or "fanoutqa_sub". question_types: for "generated", a subset of
+    birth_year, death_year, description, cloze (comma-separated or a list; empty: all).
+    """
+    from agentfly_jax.rewards.qa import qa_exact_match
+    from environments.evaluation import EvalSpec
+    from environments.search import POOL_CONFIG
+    from environments.search.tasks import build_tasks
+    from environments.search.tools import search
+
+    types = [t for t in question_types.split(",") if t] if isinstance(question_types, str) else list(question_types)
+    pool = dict(POOL_CONFIG, kwargs=dict(POOL_CONFIG["kwargs"], retriever=retriever, cache=cache or None),
+                max_size=pool_size)
+
+    def tasks(split: str, num: int, task_seed: int) -> list[dict]:
+        if split not in ("train", "dev", "test"):
+            raise ValueError(f"unknown search split {split!r}; expected train, dev or test")
+        train, heldout = build_tasks({"train_set": question_set, "eval_set": question_set,
+                                      "question_types": types, "cache": cache}, seed=seed)
+        rows = {"train": train, "dev": heldout[: len(heldout) // 2], "test": heldout[len(heldout) // 2:]}[split]
+        if question_set != "generated":
+            rows = heldout
+        return random.Random(f"search-{split}-{task_seed}").sample(rows, min(num, len(rows)))
+
+    return EvalSpec(
+        name="search",
+        tasks=tasks,
+        tools=[search],
+        reward=qa_exact_match,
+        pools={"search": pool},
+        oracle_policy=oracle_policy,
+        random_policy=random_policy,
+        system_prompt=SYSTEM_PROMPT,
+        max_turns=max_turns,
+        success_threshold=1.0,
+    )
