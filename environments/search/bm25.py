@@ -13,9 +13,6 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-# bm25s logs a DEBUG line through its own handler on every index build.
-logging.getLogger("bm25s").setLevel(logging.WARNING)
-
 
 def _require_bm25s():
     try:
@@ -26,6 +23,8 @@ def _require_bm25s():
             f"BM25 search needs the bm25s and PyStemmer packages ({error}); install the environment extras: "
             "pip install -e '.[envs]'"
         ) from error
+    # bm25s sets its logger to DEBUG on import and logs a line on every index build.
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
     return bm25s, Stemmer
 
 

@@ -359,6 +359,11 @@ def _nice_price(value: float) -> float:
     return round(max(1.0, math.floor(value)) + random.Random(int(value * 1000)).choice((0.99, 0.49, 0.0)), 2)
 
 
+def _capitalize(text: str) -> str:
+    """Each word capitalised as listings do ("women's dress" -> "Women's Dress"; str.title gives "Women'S")."""
+    return " ".join(word[:1].upper() + word[1:] for word in text.split())
+
+
 def _make_product(spec: _CategorySpec, rng: random.Random, taken: set[str]) -> Product:
     brand = rng.choice(spec.brands)
     noun = rng.choice(spec.title_nouns)
@@ -373,9 +378,9 @@ def _make_product(spec: _CategorySpec, rng: random.Random, taken: set[str]) -> P
         options[group] = tuple(value for value in pool if value in chosen)
     descriptors = rng.sample(spec.descriptors, 2)
     shown = rng.sample(attributes, min(2, len(attributes)))  # titles name some attributes, as listings do
-    title = f"{brand} {descriptors[0].title()} {noun.title()}, {', '.join(a.title() for a in shown)}"
-    if rng.random() < 0.5:
-        title += f" - {descriptors[1].title()}"
+    title = f"{brand} {_capitalize(descriptors[0])} {_capitalize(noun)}, {', '.join(_capitalize(a) for a in shown)}"
+    if rng.random() < 0.5 and descriptors[1] not in shown:
+        title += f" - {_capitalize(descriptors[1])}"
     price = _nice_price(rng.uniform(*spec.price))
     features = tuple(
         rng.choice(_FEATURE_TEMPLATES).format(Attr=attr.upper(), attr=attr, type=spec.product_type)

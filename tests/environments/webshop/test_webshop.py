@@ -3,6 +3,7 @@ catalog and goals, the official-file loader, and an oracle shopper buying held-o
 and the resource manager (64 concurrent chains) and through a ToolCallingAgent."""
 
 import asyncio
+import html
 import json
 
 import pytest
@@ -348,3 +349,42 @@ def test_task_rows(shop):
     row = heldout[0]
     assert row["instruction"] in row["question"] and "webshop_search" in row["question"]
     assert Goal.from_dict(row["goal"]) == shop.catalog.heldout_goals[0]
+
+
+# ----------------------------------------------------------------------------------------------- HTTP app
+
+
+def test_http_app_json_api_and_html_pages(shop):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from environments.webshop.server import make_app
+
+    async def main():
+        async with TestClient(TestServer(make_app(shop, max_sessions=2))) as client:
+            reply = await (await client.post("/api/reset", json={"session": "s1", "index": 2})).json()
+            goal = Goal.from_dict(reply["goal"])
+            assert goal == shop.catalog.heldout_goals[2] and reply["page"] == "search"
+            oracle, observation, state = OracleShopper(goal), reply["observation"], {}
+            for _ in range(40):
+                action = oracle.act(observation)
+                state = await (await client.post("/api/step", json={"session": "s1", "action": action})).json()
+                observation = state["observation"]
+                if state["done"]:
+                    break
+            assert state["reward"] == 1.0 and state["info"]["asin_match"] and state["available_actions"] == []
+            bad = await client.post("/api/step", json={"session": "nobody", "action": "search[x]"})
+            assert bad.status == 404 and "no session" in await bad.text()
+            assert (await client.post("/api/reset", json={"session": "s2", "index": 10**6})).status == 400
+            # Browser pages: the goal list, then a search form, result links, and a click through a link.
+            assert "/session/g0/reset?index=0" in await (await client.get("/")).text()
+            page = await (await client.get("/session/b1/reset?index=0")).text()
+            assert '<form action="/session/b1/search">' in page
+            results = await (await client.get("/session/b1/search", params={"q": "dress"})).text()
+            asin = page_asins(ShopSession(shop).act("search[dress]").observation)[0]
+            assert f'<a href="/session/b1/click?target={asin}">[{asin}]</a>' in results
+            item = await (await client.get("/session/b1/click", params={"target": asin})).text()
+            assert "Buy%20Now" in item and html.escape(shop.by_asin[asin].title) in item
+            await client.post("/api/reset", json={"session": "s3"})  # 3 sessions > max 2: the oldest goes
+            assert (await client.post("/api/step", json={"session": "s1", "action": "x"})).status == 404
+
+    asyncio.run(main())
