@@ -1,0 +1,150 @@
+"""ALFWorld on its real engine (TextWorld's PDDL engine with ALFWorld's domain, grammar, demangler and
+admissible commands): `ALFWorldEnv`, the task-suite builder (`python -m environments.alfworld.build`), the
+`alfworld_step` / `alfworld_admissible_commands` tools, the `alfworld_reward`, and `eval_spec`.
+
+    from environments.alfworld import ALFWorldEnv
+    env = ALFWorldEnv()
+    obs = await env.reset({"game_file": "suite/test/pick_and_place_simple-0000/game.tw-pddl"})
+    result = await env.step("go to countertop 1")      # StepResult(observation, reward, done, info)
+    await env.close()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from environments.alfworld.env import ALFWorldEnv, parse_task
+from environments.alfworld.scenes import TASK_TYPES
+from environments.alfworld.tools import POOL, alfworld_admissible_commands, alfworld_reward, alfworld_step
+
+#: Resource-manager pool config (override any field in the experiment config).
+POOL_CONFIG = {
+    "factory": "environments.alfworld.env:ALFWorldEnv",
+    "kwargs": {"max_steps": 50},
+    "min_size": 0,
+    "max_size": 16,
+    "idle_timeout": 600.0,
+    "acquire_timeout": 600.0,
+}
+
+SYSTEM_PROMPT = (
+    "You are an agent in a text-based household (ALFWorld). Complete the task by acting with alfworld_step, one "
+    "command per call: 'go to <receptacle>', 'open <receptacle>', 'take <object> from <receptacle>', "
+    "'move <object> to <receptacle>', 'heat/cool/clean <object> with <appliance>', 'use <lamp>', 'examine "
+    "<thing>', 'look', 'inventory'. alfworld_admissible_commands lists what is possible now. When the task is "
+    "done, give a short final answer."
+)
+
+DEFAULT_SUITE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "agentfly_jax", "alfworld")
+
+
+def load_manifest(directory: str) -> list[dict]:
+    """DIR/manifest.json written by the builder."""
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist; build it: python -m environments.alfworld.build --out "
+                                f"{directory} --seed 0 --num 60")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def suite(num_per_split: int, seed: int, root: str = DEFAULT_SUITE_DIR) -> list[dict]:
+    """A generated suite with `num_per_split` train and test games (built once, then read from `root`)."""
+    from environments.alfworld.build import build_generated, official_data_dir
+
+    official = official_data_dir()
+    directory = os.path.join(root, "official" if official else f"seed{seed}-n{num_per_split}")
+    if not os.path.isfile(os.path.join(directory, "manifest.json")):
+        if official:
+            from environments.alfworld.build import build_official
+
+            manifest = build_official(official, num_per_split)
+        else:
+            manifest = build_generated(directory, seed, 2 * num_per_split, test_fraction=0.5)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "manifest.json"), "w") as fh:
+            json.dump(manifest, fh, indent=1)
+    return load_manifest(directory)
+
+
+def task_rows(manifest: list[dict], split: str) -> list[dict]:
+    """Task rows of one split: the game, its task type, its expert plan and the question (the goal text)."""
+    rows = []
+    for entry in manifest:
+        if entry["split"] != split:
+            continue
+        goal = entry.get("goal") or entry["task_type"].replace("_", " ")
+        rows.append({"game_file": entry["game_file"], "task_type": entry["task_type"],
+                     "expert_plan": list(entry["expert_plan"]), "task_id": os.path.relpath(entry["game_file"]),
+                     "question": f"Your task is to: {goal}."})
+    return rows
+
+
+def oracle_policy(task, rng):
+    """Plays the engine planner's expert plan of the game."""
+    for command in task["expert_plan"]:
+        observation = yield {"name": "alfworld_step", "arguments": {"action": command}}
+        if "[You completed the task.]" in observation:
+            break
+    return "Done."
+
+
+def random_policy(task, rng, steps: int = 25):
+    """Random admissible commands (`steps` of them), asking for the list before each."""
+    for _ in range(steps):
+        listing = yield {"name": "alfworld_admissible_commands", "arguments": {}}
+        commands = [c for c in listing.split("\n")[1:] if c and c != "help"]
+        observation = yield {"name": "alfworld_step", "arguments": {"action": rng.choice(commands or ["look"])}}
+        if "[You completed the task.]" in observation or "[Step limit" in observation:
+            break
+    return "Done."
+
+
+def eval_spec(*, suite_dir: str = "", max_steps: int = 50, max_turns: int = 51, pool_size: int = 4,
+              random_steps: int = 25):
+    """The evaluation spec (environments/evaluation.py).
+
+    suite_dir: a built suite (DIR with manifest.json); default: generate one per seed under the user cache.
+    """
+    from environments.evaluation import EvalSpec
+
+    def tasks(split: str, num: int, seed: int) -> list[dict]:
+        manifest = load_manifest(suite_dir) if suite_dir else suite(num, seed)
+        rows = task_rows(manifest, split)
+        if len(rows) < num:
+            raise ValueError(f"the ALFWorld suite has {len(rows)} {split} games, fewer than --num {num}")
+        return rows[:num]
+
+    pool = dict(POOL_CONFIG, kwargs={"max_steps": max_steps}, max_size=pool_size)
+    return EvalSpec(
+        name="alfworld",
+        tasks=tasks,
+        tools=[alfworld_step, alfworld_admissible_commands],
+        reward=alfworld_reward,
+        pools={POOL: pool},
+        oracle_policy=oracle_policy,
+        random_policy=lambda task, rng: random_policy(task, rng, random_steps),
+        system_prompt=SYSTEM_PROMPT,
+        max_turns=max_turns,
+        success_threshold=1.0,
+    )
+
+
+__all__ = [
+    "ALFWorldEnv",
+    "POOL",
+    "POOL_CONFIG",
+    "SYSTEM_PROMPT",
+    "TASK_TYPES",
+    "alfworld_admissible_commands",
+    "alfworld_reward",
+    "alfworld_step",
+    "eval_spec",
+    "load_manifest",
+    "oracle_policy",
+    "parse_task",
+    "random_policy",
+    "suite",
+    "task_rows",
+]
