@@ -148,3 +148,13 @@ __all__ = [
     "suite",
     "task_rows",
 ]
+
+
+def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+    """Trainer task family "alfworld": (train rows, held-out rows) from a suite (task_cfg.suite_dir, else one
+    generated per seed with max(num_train, num_eval) games per split)."""
+    if task_cfg.get("suite_dir"):
+        manifest = load_manifest(task_cfg["suite_dir"])
+    else:
+        manifest = suite(max(task_cfg["num_train"], task_cfg["num_eval"]), seed)
+    return task_rows(manifest, "train")[:task_cfg["num_train"]], task_rows(manifest, "test")[:task_cfg["num_eval"]]

@@ -151,3 +151,15 @@ __all__ = [
     "task_names",
     "variations",
 ]
+
+
+def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+    """Trainer task family "scienceworld": (train rows, held-out rows) from the package's train/test splits.
+
+    task_cfg: num_train, num_eval, task_names ("all", "eval" or a list), eval_split ("test" or "dev").
+    """
+    names = task_cfg.get("task_names", "all")
+    names = None if names == "all" else list(EVAL_TASK_NAMES) if names == "eval" else list(names)
+    train = build_tasks("train", task_cfg["num_train"], seed, task_names=names)
+    held_out = build_tasks(task_cfg.get("eval_split", "test"), task_cfg["num_eval"], seed + 1, task_names=names)
+    return train, held_out
