@@ -57,7 +57,9 @@ def bench_search() -> dict:
         totals[q["type"]] += 1
         hits[q["type"]] += q["gold_titles"][0] in [r["title"] for r in loaded.search(q["question"], 5)]
     sample = random.Random(0).sample(heldout, 50)
-    sample_hits = sum(q["gold_titles"][0] in [r["title"] for r in loaded.search(q["question"], 5)] for q in sample)
+    sample_hits = sum(
+        q["gold_titles"][0] in [r["title"] for r in loaded.search(q["question"], 5)] for q in sample
+    )
     return {
         "documents": len(index),
         "index_build_s": round(built.build_seconds, 3),
@@ -83,7 +85,10 @@ def bench_webshop() -> dict:
     build_s = time.perf_counter() - start
     results = {}
     step_s = []
-    for name, make in (("oracle", lambda goal, i: OracleShopper(goal)), ("random", lambda goal, i: RandomShopper(i))):
+    for name, make in (
+        ("oracle", lambda goal, i: OracleShopper(goal)),
+        ("random", lambda goal, i: RandomShopper(i)),
+    ):
         rewards, actions = [], []
         for i, goal in enumerate(shop.catalog.heldout_goals):
             session, shopper = ShopSession(shop, goal), make(goal, i)
@@ -98,21 +103,33 @@ def bench_webshop() -> dict:
                     break
             rewards.append(reward)
             actions.append(session.actions)
-        results[name] = {"reward_mean": round(statistics.mean(rewards), 4),
-                         "success": round(sum(r == 1.0 for r in rewards) / len(rewards), 4),
-                         "actions_mean": round(statistics.mean(actions), 2)}
-    return {"products": len(shop.products), "train_goals": len(shop.catalog.train_goals),
-            "heldout_goals": len(shop.catalog.heldout_goals), "shop_build_s": round(build_s, 3),
-            "step_latency_ms_p50": round(1000 * percentile(step_s, 0.5), 3),
-            "step_latency_ms_p99": round(1000 * percentile(step_s, 0.99), 3), **results}
+        results[name] = {
+            "reward_mean": round(statistics.mean(rewards), 4),
+            "success": round(sum(r == 1.0 for r in rewards) / len(rewards), 4),
+            "actions_mean": round(statistics.mean(actions), 2),
+        }
+    return {
+        "products": len(shop.products),
+        "train_goals": len(shop.catalog.train_goals),
+        "heldout_goals": len(shop.catalog.heldout_goals),
+        "shop_build_s": round(build_s, 3),
+        "step_latency_ms_p50": round(1000 * percentile(step_s, 0.5), 3),
+        "step_latency_ms_p99": round(1000 * percentile(step_s, 0.99), 3),
+        **results,
+    }
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    summary = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "search": bench_search(),
-               "webshop": bench_webshop()}
+    summary = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "search": bench_search(),
+        "webshop": bench_webshop(),
+    }
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

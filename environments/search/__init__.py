@@ -26,4 +26,12 @@ POOL_CONFIG = {
     "acquire_timeout": 300.0,
 }
 
-__all__ = ["Document", "POOL_CONFIG", "SearchEnv", "SearchIndex", "create_search_env", "eval_spec", "load_corpus"]
+__all__ = [
+    "Document",
+    "POOL_CONFIG",
+    "SearchEnv",
+    "SearchIndex",
+    "create_search_env",
+    "eval_spec",
+    "load_corpus",
+]

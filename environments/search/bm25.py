@@ -46,8 +46,9 @@ class Bm25:
         if not texts:
             raise ValueError("cannot build a BM25 index of no documents")
         bm25s, Stemmer = _require_bm25s()
-        tokens = bm25s.tokenize(list(texts), stopwords="en", stemmer=Stemmer.Stemmer("english"),
-                                show_progress=False)
+        tokens = bm25s.tokenize(
+            list(texts), stopwords="en", stemmer=Stemmer.Stemmer("english"), show_progress=False
+        )
         retriever = bm25s.BM25()
         retriever.index(tokens, show_progress=False)
         return cls(retriever, len(texts))
@@ -58,8 +59,9 @@ class Bm25:
             raise ValueError(f"k={k}; expected k >= 1")
         k = min(k, self.num_documents)
         with self._lock:
-            tokens = self._bm25s.tokenize([str(query)], stopwords="en", stemmer=self._stemmer,
-                                          return_ids=False, show_progress=False)
+            tokens = self._bm25s.tokenize(
+                [str(query)], stopwords="en", stemmer=self._stemmer, return_ids=False, show_progress=False
+            )
             if not tokens or not tokens[0]:
                 return []
             documents, scores = self._retriever.retrieve(tokens, k=k, show_progress=False, n_threads=1)

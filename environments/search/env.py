@@ -38,12 +38,20 @@ def format_results(results: list[dict[str, Any]], index: SearchIndex, snippet_ch
 class SearchEnv(Environment):
     """Search over the Wikipedia summaries for one chain.
 
-    retriever: "bm25" (default) or "dense". cache: the cache directory (default: see environments.search.corpus).
-    default_k: results per query when the action does not say. snippet_chars: summary characters shown per result.
+    retriever: "bm25" (default) or "dense". cache: the cache directory (default: see
+    environments.search.corpus). default_k: results per query when the action does not say. snippet_chars:
+    summary characters shown per result.
     """
 
-    def __init__(self, *, retriever: str = "bm25", cache: str | None = None, default_k: int = 5,
-                 snippet_chars: int = 400, index: SearchIndex | None = None):
+    def __init__(
+        self,
+        *,
+        retriever: str = "bm25",
+        cache: str | None = None,
+        default_k: int = 5,
+        snippet_chars: int = 400,
+        index: SearchIndex | None = None,
+    ):
         if not 1 <= default_k <= MAX_K:
             raise ValueError(f"default_k={default_k}; expected 1..{MAX_K}")
         self.index = index if index is not None else SearchIndex.default(cache, retriever=retriever)
@@ -67,17 +75,22 @@ class SearchEnv(Environment):
         else:
             query, k = str(action), self.default_k
         if not isinstance(k, int) or not 1 <= k <= MAX_K:
-            return StepResult(f"Error: k must be an integer from 1 to {MAX_K}, got {k!r}.", info={"error": "bad_k"})
+            return StepResult(
+                f"Error: k must be an integer from 1 to {MAX_K}, got {k!r}.", info={"error": "bad_k"}
+            )
         if not str(query).strip():
-            return StepResult("Error: the query is empty; write some words to search for.",
-                              info={"error": "empty_query"})
+            return StepResult(
+                "Error: the query is empty; write some words to search for.", info={"error": "empty_query"}
+            )
         results = self.index.search(str(query), k)
         titles = [result["title"] for result in results]
         self.queries.append(str(query))
         self.retrieved_titles.extend(t for t in titles if t not in self.retrieved_titles)
         gold_hits = [t for t in titles if t in self.gold_titles]
-        return StepResult(format_results(results, self.index, self.snippet_chars),
-                          info={"titles": titles, "scores": [r["score"] for r in results], "gold_hits": gold_hits})
+        return StepResult(
+            format_results(results, self.index, self.snippet_chars),
+            info={"titles": titles, "scores": [r["score"] for r in results], "gold_hits": gold_hits},
+        )
 
     def gold_recall(self) -> float | None:
         """Fraction of the task's gold articles retrieved so far (None without gold articles)."""

@@ -13,7 +13,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from agentfly_jax.rewards.qa import normalize_qa_answer
 
 SYSTEM_PROMPT = (
     "Answer the question. Use the search tool to look things up in Wikipedia article summaries; it returns "
@@ -58,14 +57,24 @@ def oracle_policy(task: Mapping[str, Any], rng: random.Random):
 def random_policy(task: Mapping[str, Any], rng: random.Random):
     """Searches three random words of the question and answers with a random result title."""
     words = task["raw_question"].split()
-    observation = yield {"name": "search",
-                         "arguments": {"query": " ".join(rng.sample(words, min(3, len(words)))), "k": 5}}
+    observation = yield {
+        "name": "search",
+        "arguments": {"query": " ".join(rng.sample(words, min(3, len(words)))), "k": 5},
+    }
     titles = re.findall(r"^\d+\. (.+?)(?: — .*)?$", observation, re.MULTILINE)
     return rng.choice(titles) if titles else "I don't know"
 
 
-def eval_spec(*, question_set: str = "generated", question_types: str | list[str] = "", retriever: str = "bm25",
-              cache: str = "", pool_size: int = 64, max_turns: int = 14, seed: int = 0):
+def eval_spec(
+    *,
+    question_set: str = "generated",
+    question_types: str | list[str] = "",
+    retriever: str = "bm25",
+    cache: str = "",
+    pool_size: int = 64,
+    max_turns: int = 14,
+    seed: int = 0,
+):
     """The evaluation spec of the search environment.
 
     question_set: "generated", "fanoutqa" or "fanoutqa_sub". question_types: for "generated", a subset of
@@ -77,16 +86,27 @@ def eval_spec(*, question_set: str = "generated", question_types: str | list[str
     from environments.search.tasks import build_tasks
     from environments.search.tools import search
 
-    types = [t for t in question_types.split(",") if t] if isinstance(question_types, str) else list(question_types)
-    pool = dict(POOL_CONFIG, kwargs=dict(POOL_CONFIG["kwargs"], retriever=retriever, cache=cache or None),
-                max_size=pool_size)
+    types = (
+        [t for t in question_types.split(",") if t]
+        if isinstance(question_types, str)
+        else list(question_types)
+    )
+    pool = dict(
+        POOL_CONFIG,
+        kwargs=dict(POOL_CONFIG["kwargs"], retriever=retriever, cache=cache or None),
+        max_size=pool_size,
+    )
 
     def tasks(split: str, num: int, task_seed: int) -> list[dict]:
         if split not in ("train", "dev", "test"):
             raise ValueError(f"unknown search split {split!r}; expected train, dev or test")
-        train, heldout = build_tasks({"train_set": question_set, "eval_set": question_set,
-                                      "question_types": types, "cache": cache}, seed=seed)
-        rows = {"train": train, "dev": heldout[: len(heldout) // 2], "test": heldout[len(heldout) // 2:]}[split]
+        train, heldout = build_tasks(
+            {"train_set": question_set, "eval_set": question_set, "question_types": types, "cache": cache},
+            seed=seed,
+        )
+        rows = {"train": train, "dev": heldout[: len(heldout) // 2], "test": heldout[len(heldout) // 2 :]}[
+            split
+        ]
         if question_set != "generated":
             rows = heldout
         return random.Random(f"search-{split}-{task_seed}").sample(rows, min(num, len(rows)))

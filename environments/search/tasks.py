@@ -49,4 +49,6 @@ def build_tasks(task_config: Mapping[str, Any], seed: int = 0) -> tuple[list[dic
 
     train = [as_row(q) for q in questions(task_config.get("train_set", "generated"), "train")]
     heldout = [as_row(q) for q in questions(task_config.get("eval_set", "generated"), "heldout")]
-    return train[: task_config.get("num_train") or len(train)], heldout[: task_config.get("num_eval") or len(heldout)]
+    return train[: task_config.get("num_train") or len(train)], heldout[
+        : task_config.get("num_eval") or len(heldout)
+    ]

@@ -105,7 +105,9 @@ class Goal:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Goal":
-        missing = [k for k in ("instruction", "asin", "attributes", "options", "price_upper") if k not in data]
+        missing = [
+            k for k in ("instruction", "asin", "attributes", "options", "price_upper") if k not in data
+        ]
         if missing:
             raise ValueError(
                 f"a WebShop goal needs the fields {missing} (got {sorted(data)}); build goals with "
@@ -154,109 +156,199 @@ class _CategorySpec:
     brands: tuple[str, ...]
 
 
-_COLORS = ("black", "white", "navy blue", "grey", "red", "beige", "olive green", "pink", "brown", "light blue")
+_COLORS = (
+    "black",
+    "white",
+    "navy blue",
+    "grey",
+    "red",
+    "beige",
+    "olive green",
+    "pink",
+    "brown",
+    "light blue",
+)
 _APPAREL_SIZES = ("x-small", "small", "medium", "large", "x-large", "xx-large")
 
 _SPECS: tuple[_CategorySpec, ...] = (
     _CategorySpec(
-        "Beauty & Personal Care › Skin Care › Face › Creams & Moisturizers", "face moisturizer",
+        "Beauty & Personal Care › Skin Care › Face › Creams & Moisturizers",
+        "face moisturizer",
         ("face moisturizer", "facial moisturizing cream", "daily face cream"),
         ("hydrating", "lightweight", "daily", "nourishing", "soothing"),
-        ("paraben free", "cruelty free", "long lasting", "fragrance free", "hyaluronic acid", "sensitive skin",
-         "non greasy", "natural ingredients", "dermatologist tested"),
-        {"size": ("1 ounce", "1.7 ounce", "2 ounce", "3.4 fl oz", "4 fl oz"),
-         "scent": ("unscented", "lavender", "rose", "green tea", "citrus")},
-        (9.0, 58.0), ("Glowline", "Dermaleaf", "PureDay", "Velvessa", "Aquaria"),
+        (
+            "paraben free",
+            "cruelty free",
+            "long lasting",
+            "fragrance free",
+            "hyaluronic acid",
+            "sensitive skin",
+            "non greasy",
+            "natural ingredients",
+            "dermatologist tested",
+        ),
+        {
+            "size": ("1 ounce", "1.7 ounce", "2 ounce", "3.4 fl oz", "4 fl oz"),
+            "scent": ("unscented", "lavender", "rose", "green tea", "citrus"),
+        },
+        (9.0, 58.0),
+        ("Glowline", "Dermaleaf", "PureDay", "Velvessa", "Aquaria"),
     ),
     _CategorySpec(
-        "Beauty & Personal Care › Hair Care › Shampoo & Conditioner › Shampoos", "shampoo",
+        "Beauty & Personal Care › Hair Care › Shampoo & Conditioner › Shampoos",
+        "shampoo",
         ("shampoo", "clarifying shampoo", "volumizing shampoo"),
         ("salon", "gentle", "everyday", "repairing", "moisture"),
-        ("sulfate free", "paraben free", "color safe", "tea tree", "argan oil", "dry hair", "cruelty free",
-         "natural ingredients"),
-        {"size": ("8 fl oz", "12 fl oz", "16.9 fl oz", "33.8 fl oz"), "pack": ("1 count", "2 pack", "3 pack")},
-        (6.0, 36.0), ("Hairloom", "Maneworks", "Silkora", "Rootwise"),
+        (
+            "sulfate free",
+            "paraben free",
+            "color safe",
+            "tea tree",
+            "argan oil",
+            "dry hair",
+            "cruelty free",
+            "natural ingredients",
+        ),
+        {
+            "size": ("8 fl oz", "12 fl oz", "16.9 fl oz", "33.8 fl oz"),
+            "pack": ("1 count", "2 pack", "3 pack"),
+        },
+        (6.0, 36.0),
+        ("Hairloom", "Maneworks", "Silkora", "Rootwise"),
     ),
     _CategorySpec(
-        "Beauty & Personal Care › Makeup › Lips › Lipstick", "lipstick",
+        "Beauty & Personal Care › Makeup › Lips › Lipstick",
+        "lipstick",
         ("lipstick", "matte lipstick", "liquid lipstick"),
         ("velvet", "creamy", "bold", "satin", "classic"),
         ("long lasting", "waterproof", "cruelty free", "vegan", "highly pigmented", "non drying"),
         {"color": ("ruby red", "nude", "berry", "coral", "mauve", "deep plum", "pink blush")},
-        (5.0, 32.0), ("Lumiere", "Kissa", "Colorbloom", "Rougeau"),
+        (5.0, 32.0),
+        ("Lumiere", "Kissa", "Colorbloom", "Rougeau"),
     ),
     _CategorySpec(
-        "Clothing, Shoes & Jewelry › Women › Clothing › Dresses", "women's dress",
+        "Clothing, Shoes & Jewelry › Women › Clothing › Dresses",
+        "women's dress",
         ("women's dress", "women's midi dress", "women's summer dress"),
         ("casual", "floral", "v-neck", "short sleeve", "wrap", "a-line"),
-        ("machine wash", "polyester spandex", "elastic waist", "button closure", "hand wash", "loose fit",
-         "pockets"),
+        (
+            "machine wash",
+            "polyester spandex",
+            "elastic waist",
+            "button closure",
+            "hand wash",
+            "loose fit",
+            "pockets",
+        ),
         {"color": _COLORS, "size": _APPAREL_SIZES},
-        (18.0, 79.0), ("Amelie", "Sunlace", "Norah & Co", "Veranda"),
+        (18.0, 79.0),
+        ("Amelie", "Sunlace", "Norah & Co", "Veranda"),
     ),
     _CategorySpec(
-        "Clothing, Shoes & Jewelry › Men › Shoes › Athletic › Running", "men's running shoes",
+        "Clothing, Shoes & Jewelry › Men › Shoes › Athletic › Running",
+        "men's running shoes",
         ("men's running shoes", "men's trail running shoes", "men's athletic sneakers"),
         ("lightweight", "breathable", "cushioned", "road", "performance"),
         ("non slip", "rubber sole", "arch support", "memory foam", "mesh upper", "lace up", "wide toe box"),
-        {"color": ("black", "white", "grey", "navy blue", "black white", "blue orange"),
-         "size": ("7", "8", "8.5", "9", "9.5", "10", "10.5", "11", "12")},
-        (29.0, 129.0), ("Stridex", "Trailhawk", "Runova", "Pacefield"),
+        {
+            "color": ("black", "white", "grey", "navy blue", "black white", "blue orange"),
+            "size": ("7", "8", "8.5", "9", "9.5", "10", "10.5", "11", "12"),
+        },
+        (29.0, 129.0),
+        ("Stridex", "Trailhawk", "Runova", "Pacefield"),
     ),
     _CategorySpec(
-        "Clothing, Shoes & Jewelry › Men › Clothing › Shirts › T-Shirts", "men's t-shirt",
+        "Clothing, Shoes & Jewelry › Men › Clothing › Shirts › T-Shirts",
+        "men's t-shirt",
         ("men's t-shirt", "men's crew neck t-shirt", "men's graphic tee"),
         ("classic", "crew neck", "short sleeve", "vintage", "athletic"),
         ("cotton", "machine wash", "slim fit", "moisture wicking", "tagless", "relaxed fit"),
         {"color": _COLORS, "size": ("small", "medium", "large", "x-large", "xx-large")},
-        (9.0, 35.0), ("Cotton Row", "Northbay", "Basico", "Urbanthread"),
+        (9.0, 35.0),
+        ("Cotton Row", "Northbay", "Basico", "Urbanthread"),
     ),
     _CategorySpec(
         "Electronics › Headphones, Earbuds & Accessories › Headphones › Over-Ear Headphones",
         "bluetooth headphones",
         ("bluetooth headphones", "wireless over-ear headphones", "bluetooth headset"),
         ("over-ear", "foldable", "hi-fi", "studio", "deep bass"),
-        ("noise cancelling", "long battery life", "built-in microphone", "fast charging", "wireless",
-         "memory foam ear cushions", "hands free"),
+        (
+            "noise cancelling",
+            "long battery life",
+            "built-in microphone",
+            "fast charging",
+            "wireless",
+            "memory foam ear cushions",
+            "hands free",
+        ),
         {"color": ("black", "white", "silver", "rose gold", "midnight blue")},
-        (19.0, 199.0), ("Sonaro", "Auralite", "Bassline", "Quietway"),
+        (19.0, 199.0),
+        ("Sonaro", "Auralite", "Bassline", "Quietway"),
     ),
     _CategorySpec(
-        "Cell Phones & Accessories › Cases, Holsters & Sleeves › Basic Cases", "phone case",
+        "Cell Phones & Accessories › Cases, Holsters & Sleeves › Basic Cases",
+        "phone case",
         ("phone case", "protective phone case", "slim phone cover"),
         ("shockproof", "clear", "rugged", "slim", "magnetic"),
-        ("wireless charging compatible", "drop protection", "raised edges", "anti scratch", "kickstand",
-         "easy install"),
-        {"color": ("clear", "black", "navy blue", "purple", "green"),
-         "model": ("iphone 14", "iphone 15", "iphone 15 pro", "galaxy s23", "galaxy s24", "pixel 8")},
-        (6.0, 29.0), ("Shieldon", "Casewise", "Armorly", "Glasstic"),
+        (
+            "wireless charging compatible",
+            "drop protection",
+            "raised edges",
+            "anti scratch",
+            "kickstand",
+            "easy install",
+        ),
+        {
+            "color": ("clear", "black", "navy blue", "purple", "green"),
+            "model": ("iphone 14", "iphone 15", "iphone 15 pro", "galaxy s23", "galaxy s24", "pixel 8"),
+        },
+        (6.0, 29.0),
+        ("Shieldon", "Casewise", "Armorly", "Glasstic"),
     ),
     _CategorySpec(
-        "Grocery & Gourmet Food › Beverages › Coffee, Tea & Cocoa › Coffee › Ground Coffee", "ground coffee",
+        "Grocery & Gourmet Food › Beverages › Coffee, Tea & Cocoa › Coffee › Ground Coffee",
+        "ground coffee",
         ("ground coffee", "medium roast ground coffee", "dark roast ground coffee"),
         ("rich", "smooth", "bold", "single origin", "house blend"),
         ("usda organic", "fair trade", "100% arabica", "non gmo", "kosher", "low acid"),
-        {"flavor": ("original", "french vanilla", "hazelnut", "caramel", "mocha"),
-         "size": ("12 ounce", "1 pound", "2 pound", "32 ounce")},
-        (7.0, 34.0), ("Roastfield", "Bean & Barrow", "Morning Ridge", "Cafeterra"),
+        {
+            "flavor": ("original", "french vanilla", "hazelnut", "caramel", "mocha"),
+            "size": ("12 ounce", "1 pound", "2 pound", "32 ounce"),
+        },
+        (7.0, 34.0),
+        ("Roastfield", "Bean & Barrow", "Morning Ridge", "Cafeterra"),
     ),
     _CategorySpec(
-        "Grocery & Gourmet Food › Snack Foods › Bars › Protein Bars", "protein bars",
+        "Grocery & Gourmet Food › Snack Foods › Bars › Protein Bars",
+        "protein bars",
         ("protein bars", "high protein snack bars", "keto protein bars"),
         ("chewy", "crunchy", "snack", "low sugar", "plant based"),
         ("gluten free", "high protein", "low carb", "non gmo", "soy free", "dairy free", "keto friendly"),
-        {"flavor": ("chocolate peanut butter", "cookie dough", "salted caramel", "birthday cake", "almond"),
-         "pack": ("12 count", "15 count", "24 count")},
-        (12.0, 45.0), ("Fuelmade", "Barwell", "Proteo", "Nutriforge"),
+        {
+            "flavor": (
+                "chocolate peanut butter",
+                "cookie dough",
+                "salted caramel",
+                "birthday cake",
+                "almond",
+            ),
+            "pack": ("12 count", "15 count", "24 count"),
+        },
+        (12.0, 45.0),
+        ("Fuelmade", "Barwell", "Proteo", "Nutriforge"),
     ),
     _CategorySpec(
-        "Grocery & Gourmet Food › Beverages › Coffee, Tea & Cocoa › Tea › Green Tea", "green tea",
+        "Grocery & Gourmet Food › Beverages › Coffee, Tea & Cocoa › Tea › Green Tea",
+        "green tea",
         ("green tea", "green tea bags", "loose leaf green tea"),
         ("premium", "japanese", "jasmine", "matcha blend", "calming"),
         ("usda organic", "caffeine free", "non gmo", "kosher", "gluten free", "individually wrapped"),
-        {"flavor": ("original", "jasmine", "mint", "lemon ginger", "peach"),
-         "size": ("20 count", "40 count", "100 count")},
-        (4.0, 26.0), ("Leafhaven", "Teazen", "Camellia Grove", "Steepwell"),
+        {
+            "flavor": ("original", "jasmine", "mint", "lemon ginger", "peach"),
+            "size": ("20 count", "40 count", "100 count"),
+        },
+        (4.0, 26.0),
+        ("Leafhaven", "Teazen", "Camellia Grove", "Steepwell"),
     ),
     _CategorySpec(
         "Home & Kitchen › Bedding › Decorative Pillows, Inserts & Covers › Throw Pillow Covers",
@@ -264,52 +356,96 @@ _SPECS: tuple[_CategorySpec, ...] = (
         ("throw pillow covers", "decorative pillow covers", "cushion covers"),
         ("boho", "farmhouse", "velvet", "linen", "modern"),
         ("set of 2", "hidden zipper", "machine washable", "double sided", "soft", "fade resistant"),
-        {"color": ("beige", "grey", "navy blue", "mustard yellow", "sage green", "terracotta"),
-         "size": ("16 x 16 inch", "18 x 18 inch", "20 x 20 inch", "12 x 20 inch")},
-        (8.0, 39.0), ("Cozyloft", "Hearthly", "Pillowry", "Linen Lane"),
+        {
+            "color": ("beige", "grey", "navy blue", "mustard yellow", "sage green", "terracotta"),
+            "size": ("16 x 16 inch", "18 x 18 inch", "20 x 20 inch", "12 x 20 inch"),
+        },
+        (8.0, 39.0),
+        ("Cozyloft", "Hearthly", "Pillowry", "Linen Lane"),
     ),
     _CategorySpec(
-        "Home & Kitchen › Kitchen & Dining › Cookware › Pots & Pans › Cookware Sets", "cookware set",
+        "Home & Kitchen › Kitchen & Dining › Cookware › Pots & Pans › Cookware Sets",
+        "cookware set",
         ("cookware set", "nonstick pots and pans set", "kitchen cookware set"),
         ("10-piece", "12-piece", "professional", "induction", "granite"),
-        ("nonstick", "dishwasher safe", "oven safe", "pfoa free", "induction compatible", "stay cool handles"),
+        (
+            "nonstick",
+            "dishwasher safe",
+            "oven safe",
+            "pfoa free",
+            "induction compatible",
+            "stay cool handles",
+        ),
         {"color": ("black", "grey", "cream", "blue", "red")},
-        (39.0, 249.0), ("Panterra", "Cookwell", "Ironhearth", "Kitchora"),
+        (39.0, 249.0),
+        ("Panterra", "Cookwell", "Ironhearth", "Kitchora"),
     ),
     _CategorySpec(
-        "Tools & Home Improvement › Lighting & Ceiling Fans › Lamps & Shades › Desk Lamps", "desk lamp",
+        "Tools & Home Improvement › Lighting & Ceiling Fans › Lamps & Shades › Desk Lamps",
+        "desk lamp",
         ("desk lamp", "led desk lamp", "architect desk lamp"),
         ("dimmable", "adjustable", "modern", "swing arm", "minimalist"),
-        ("eye caring", "usb charging port", "touch control", "energy efficient", "memory function",
-         "flicker free"),
+        (
+            "eye caring",
+            "usb charging port",
+            "touch control",
+            "energy efficient",
+            "memory function",
+            "flicker free",
+        ),
         {"color": ("black", "white", "silver", "gold")},
-        (15.0, 69.0), ("Lumora", "Brightwork", "Deskglow", "Halden"),
+        (15.0, 69.0),
+        ("Lumora", "Brightwork", "Deskglow", "Halden"),
     ),
     _CategorySpec(
-        "Pet Supplies › Dogs › Food › Dry", "dry dog food",
+        "Pet Supplies › Dogs › Food › Dry",
+        "dry dog food",
         ("dry dog food", "grain free dog food", "adult dry dog food"),
         ("natural", "high protein", "small breed", "adult", "recipe"),
-        ("grain free", "real meat", "no artificial preservatives", "high protein", "made in usa",
-         "omega fatty acids"),
-        {"flavor": ("chicken", "salmon", "lamb", "beef", "turkey"), "size": ("4 pound", "15 pound", "30 pound")},
-        (14.0, 89.0), ("Pawprime", "Barkfield", "Wildkin", "Houndly"),
+        (
+            "grain free",
+            "real meat",
+            "no artificial preservatives",
+            "high protein",
+            "made in usa",
+            "omega fatty acids",
+        ),
+        {
+            "flavor": ("chicken", "salmon", "lamb", "beef", "turkey"),
+            "size": ("4 pound", "15 pound", "30 pound"),
+        },
+        (14.0, 89.0),
+        ("Pawprime", "Barkfield", "Wildkin", "Houndly"),
     ),
     _CategorySpec(
-        "Sports & Outdoors › Exercise & Fitness › Yoga › Mats", "yoga mat",
+        "Sports & Outdoors › Exercise & Fitness › Yoga › Mats",
+        "yoga mat",
         ("yoga mat", "non slip exercise mat", "thick yoga mat"),
         ("extra thick", "eco", "travel", "premium", "pilates"),
         ("non slip", "eco friendly", "carrying strap", "tpe", "latex free", "easy to clean"),
-        {"color": ("purple", "black", "teal", "pink", "grey", "blue"), "thickness": ("1/4 inch", "1/3 inch", "1/2 inch")},
-        (12.0, 59.0), ("Zenflex", "Asanara", "Flowmat", "Groundwell"),
+        {
+            "color": ("purple", "black", "teal", "pink", "grey", "blue"),
+            "thickness": ("1/4 inch", "1/3 inch", "1/2 inch"),
+        },
+        (12.0, 59.0),
+        ("Zenflex", "Asanara", "Flowmat", "Groundwell"),
     ),
     _CategorySpec(
-        "Office Products › Office Furniture & Lighting › Chairs & Sofas › Desk Chairs", "office chair",
+        "Office Products › Office Furniture & Lighting › Chairs & Sofas › Desk Chairs",
+        "office chair",
         ("office chair", "ergonomic desk chair", "mesh office chair"),
         ("ergonomic", "high back", "executive", "swivel", "home office"),
-        ("lumbar support", "adjustable height", "breathable mesh", "padded armrests", "easy assembly",
-         "360 degree swivel"),
+        (
+            "lumbar support",
+            "adjustable height",
+            "breathable mesh",
+            "padded armrests",
+            "easy assembly",
+            "360 degree swivel",
+        ),
         {"color": ("black", "grey", "white", "blue")},
-        (59.0, 299.0), ("Sitwell", "Officio", "Postura", "Deskmate"),
+        (59.0, 299.0),
+        ("Sitwell", "Officio", "Postura", "Deskmate"),
     ),
     _CategorySpec(
         "Sports & Outdoors › Outdoor Recreation › Camping & Hiking › Hydration & Filtration › Water Bottles",
@@ -317,18 +453,29 @@ _SPECS: tuple[_CategorySpec, ...] = (
         ("water bottle", "insulated water bottle", "stainless steel water bottle"),
         ("sports", "vacuum", "wide mouth", "leakproof", "double wall"),
         ("bpa free", "stainless steel", "keeps cold 24 hours", "dishwasher safe", "leak proof", "straw lid"),
-        {"color": ("black", "white", "sage green", "ocean blue", "lilac"),
-         "size": ("18 ounce", "24 ounce", "32 ounce", "40 ounce")},
-        (9.0, 45.0), ("Hydrana", "Coldcore", "Trekflask", "Sipwell"),
+        {
+            "color": ("black", "white", "sage green", "ocean blue", "lilac"),
+            "size": ("18 ounce", "24 ounce", "32 ounce", "40 ounce"),
+        },
+        (9.0, 45.0),
+        ("Hydrana", "Coldcore", "Trekflask", "Sipwell"),
     ),
     _CategorySpec(
-        "Clothing, Shoes & Jewelry › Luggage & Travel Gear › Backpacks › Laptop Backpacks", "laptop backpack",
+        "Clothing, Shoes & Jewelry › Luggage & Travel Gear › Backpacks › Laptop Backpacks",
+        "laptop backpack",
         ("laptop backpack", "travel laptop backpack", "anti theft backpack"),
         ("slim", "business", "college", "water resistant", "large capacity"),
-        ("usb charging port", "fits 15.6 inch laptop", "water resistant", "anti theft pocket",
-         "padded shoulder straps", "luggage strap"),
+        (
+            "usb charging port",
+            "fits 15.6 inch laptop",
+            "water resistant",
+            "anti theft pocket",
+            "padded shoulder straps",
+            "luggage strap",
+        ),
         {"color": ("black", "grey", "navy blue", "khaki", "dark green")},
-        (19.0, 89.0), ("Packton", "Roamwell", "Carryall Co", "Urbanpack"),
+        (19.0, 89.0),
+        ("Packton", "Roamwell", "Carryall Co", "Urbanpack"),
     ),
 )
 
@@ -360,7 +507,7 @@ def _nice_price(value: float) -> float:
 
 
 def _capitalize(text: str) -> str:
-    """Each word capitalised as listings do ("women's dress" -> "Women's Dress"; str.title gives "Women'S")."""
+    """Each word capitalised as listings do: "women's dress" -> "Women's Dress" (str.title: "Women'S")."""
     return " ".join(word[:1].upper() + word[1:] for word in text.split())
 
 
@@ -378,7 +525,8 @@ def _make_product(spec: _CategorySpec, rng: random.Random, taken: set[str]) -> P
         options[group] = tuple(value for value in pool if value in chosen)
     descriptors = rng.sample(spec.descriptors, 2)
     shown = rng.sample(attributes, min(2, len(attributes)))  # titles name some attributes, as listings do
-    title = f"{brand} {_capitalize(descriptors[0])} {_capitalize(noun)}, {', '.join(_capitalize(a) for a in shown)}"
+    named = ", ".join(_capitalize(a) for a in shown)
+    title = f"{brand} {_capitalize(descriptors[0])} {_capitalize(noun)}, {named}"
     if rng.random() < 0.5 and descriptors[1] not in shown:
         title += f" - {_capitalize(descriptors[1])}"
     price = _nice_price(rng.uniform(*spec.price))
@@ -429,18 +577,27 @@ def _price_upper(price: float, rng: random.Random) -> float:
     return float(math.ceil(bound / step) * step)
 
 
-def _instruction(product_type: str, attributes: Sequence[str], options: Mapping[str, str], price_upper: float,
-                 rng: random.Random) -> str:
+def _instruction(
+    product_type: str,
+    attributes: Sequence[str],
+    options: Mapping[str, str],
+    price_upper: float,
+    rng: random.Random,
+) -> str:
     opener = rng.choice(("i need", "i'm looking for", "i want to buy", "find me", "i am looking for"))
     plural = product_type.endswith("s") and not product_type.endswith("ss")
     article = "" if plural else ("an " if product_type[0] in "aeiou" else "a ")
     lead, rest = (attributes[0], attributes[1:]) if attributes and rng.random() < 0.5 else ("", attributes)
     text = f"{opener} {article}{lead + ' ' if lead else ''}{product_type}"
     if rest:
-        text += " that is " + (" and ".join(rest) if len(rest) < 3 else ", ".join(rest[:-1]) + " and " + rest[-1])
+        text += " that is " + (
+            " and ".join(rest) if len(rest) < 3 else ", ".join(rest[:-1]) + " and " + rest[-1]
+        )
     if options:
-        parts = [f"{value} {group}" if group in ("flavor", "color", "scent") else f"{group} {value}"
-                 for group, value in options.items()]
+        parts = [
+            f"{value} {group}" if group in ("flavor", "color", "scent") else f"{group} {value}"
+            for group, value in options.items()
+        ]
         text += ", with " + " and ".join(parts)
     return f"{text}, and price lower than {price_upper:.2f} dollars"
 
@@ -562,7 +719,9 @@ def _official_goal(product: Product, spec: Mapping[str, Any], index: int, rng: r
         values = [str(v).strip().lower() for v in options]
         options = {}
         for value in values:
-            group = next((g for g, vs in product.options.items() if value in vs), f"option {len(options) + 1}")
+            group = next(
+                (g for g, vs in product.options.items() if value in vs), f"option {len(options) + 1}"
+            )
             options[group] = value
     options = {str(g).strip().lower(): str(v).strip().lower() for g, v in dict(options).items()}
     price_upper = spec.get("price_upper") or _price_upper(product.price, rng)
@@ -602,8 +761,11 @@ def load_official_catalog(
       of `attributes_path`. Goals without a price bound get one 10-80% above the product's price.
     Products without an asin, a name or a parsable price are skipped (their count is in `Catalog.source`).
     """
-    for label, path in (("items_path", items_path), ("attributes_path", attributes_path),
-                        ("human_goals_path", human_goals_path)):
+    for label, path in (
+        ("items_path", items_path),
+        ("attributes_path", attributes_path),
+        ("human_goals_path", human_goals_path),
+    ):
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(
                 f"WebShop {label} {str(path)!r} does not exist; point the webshop catalog config at the "
@@ -613,7 +775,8 @@ def load_official_catalog(
     attribute_specs = json.loads(Path(attributes_path).read_text())
     if not isinstance(items, list) or not isinstance(attribute_specs, dict):
         raise ValueError(
-            f"{items_path} should hold a JSON list of products and {attributes_path} a JSON object keyed by asin"
+            f"{items_path} should hold a JSON list of products and {attributes_path} a JSON object keyed "
+            "by asin"
         )
     products, skipped = [], 0
     for item in items:

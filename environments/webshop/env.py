@@ -4,7 +4,7 @@
     first = await env.reset({"goal": goal.to_dict(), "question": ...})   # the search page
     result = await env.step("search[face moisturizer paraben free]")     # StepResult
     ...
-    result = await env.step("click[Buy Now]")  # done=True, reward = r_type · (...) / (...), components in info
+    result = await env.step("click[Buy Now]")  # done=True, the WebShop reward, its components in info
 
 The shop (catalog + BM25 product search) is built once per process per catalog config and shared
 read-only; an env holds only its session. Environments come from a resource-manager pool (`POOL_CONFIG`).
@@ -47,8 +47,10 @@ class WebShopEnv(Environment):
         if self.session.actions >= self.max_actions and self.session.page != "done":
             return StepResult(
                 observation=f"The action limit ({self.max_actions}) is reached; the episode is over without "
-                            "a purchase.",
-                reward=0.0, done=True, info={"page": self.session.page, "action_limit": True},
+                "a purchase.",
+                reward=0.0,
+                done=True,
+                info={"page": self.session.page, "action_limit": True},
             )
         outcome = self.session.act(text)
         return StepResult(outcome.observation, outcome.reward, outcome.done, outcome.info)

@@ -1,5 +1,5 @@
-"""WebShop's evaluation spec (environments/evaluation.py): goal rows by split, the tools, the reward, the pool,
-and the oracle / random shoppers as scripted policies.
+"""WebShop's evaluation spec (environments/evaluation.py): goal rows by split, the tools, the reward, the
+pool, and the oracle / random shoppers as scripted policies.
 
 Splits: "train" (train goals) and "dev" / "test" (the held-out goals, first and second half): held-out goals
 ask for products no train goal names.
@@ -19,7 +19,8 @@ from environments.webshop.tasks import goal_row
 SYSTEM_PROMPT = (
     "You are a shopping assistant in an online store. Find the product the instruction describes: search on "
     "the search page with webshop_search, open products, pick the options the instruction asks for and buy "
-    "with webshop_click (targets are the texts shown in brackets: product ids, option values, Next >, < Prev, "
+    "with webshop_click (targets are the texts shown in brackets: product ids, option values, Next >, "
+    "< Prev, "
     "Back to Search, Description, Features, Reviews, Buy Now). Buying ends the episode."
 )
 
@@ -53,9 +54,19 @@ def random_policy(task: Mapping[str, Any], rng: random.Random, max_actions: int 
     return (yield from _shop_until_done(RandomShopper(rng.randrange(2**31)), max_actions))
 
 
-def eval_spec(*, source: str = "generated", seed: int = 0, num_products: int = 1000, items_path: str = "",
-              attributes_path: str = "", human_goals_path: str = "", max_actions: int = 50, max_turns: int = 45,
-              pool_size: int = 64, random_steps: int = 15):
+def eval_spec(
+    *,
+    source: str = "generated",
+    seed: int = 0,
+    num_products: int = 1000,
+    items_path: str = "",
+    attributes_path: str = "",
+    human_goals_path: str = "",
+    max_actions: int = 50,
+    max_turns: int = 45,
+    pool_size: int = 64,
+    random_steps: int = 15,
+):
     """The evaluation spec of the WebShop environment; options name the catalog (as in the task config)."""
     from environments.evaluation import EvalSpec
     from environments.webshop import POOL_CONFIG
@@ -64,19 +75,31 @@ def eval_spec(*, source: str = "generated", seed: int = 0, num_products: int = 1
     from environments.webshop.tasks import catalog_config
     from environments.webshop.tools import webshop_click, webshop_search
 
-    catalog = catalog_config({"source": source, "seed": seed, "num_products": num_products,
-                              "items_path": items_path, "attributes_path": attributes_path,
-                              "human_goals_path": human_goals_path})
+    catalog = catalog_config(
+        {
+            "source": source,
+            "seed": seed,
+            "num_products": num_products,
+            "items_path": items_path,
+            "attributes_path": attributes_path,
+            "human_goals_path": human_goals_path,
+        }
+    )
     pool = dict(POOL_CONFIG, kwargs=dict(catalog, max_actions=max_actions), max_size=pool_size)
 
     def tasks(split: str, num: int, task_seed: int) -> list[dict]:
         shop = get_shop(**catalog)
         heldout = list(shop.catalog.heldout_goals)
-        goals = {"train": list(shop.catalog.train_goals), "dev": heldout[: len(heldout) // 2],
-                 "test": heldout[len(heldout) // 2:]}
+        goals = {
+            "train": list(shop.catalog.train_goals),
+            "dev": heldout[: len(heldout) // 2],
+            "test": heldout[len(heldout) // 2 :],
+        }
         if split not in goals:
             raise ValueError(f"unknown WebShop split {split!r}; expected one of {sorted(goals)}")
-        chosen = random.Random(f"webshop-{split}-{task_seed}").sample(goals[split], min(num, len(goals[split])))
+        chosen = random.Random(f"webshop-{split}-{task_seed}").sample(
+            goals[split], min(num, len(goals[split]))
+        )
         return [goal_row(goal) for goal in chosen]
 
     return EvalSpec(

@@ -1,4 +1,4 @@
-"""Scripted shoppers that read only the page text (plus, for the oracle, the goal): baselines and test drivers.
+"""Scripted shoppers that read only the page text (the oracle also the goal): baselines and test drivers.
 
 - `OracleShopper(goal)`: searches for the goal's product type, pages through the results looking for the
   goal's product, falls back to searching its title, selects the goal's options and buys. It knows which

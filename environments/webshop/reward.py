@@ -65,13 +65,14 @@ def type_reward(goal: Goal, product: Product) -> dict[str, Any]:
 
 
 def attribute_matched(attribute: str, product: Product) -> bool:
-    """A goal attribute is matched when the product lists it, or every word of it is in the title/features."""
+    """A goal attribute is matched when the product lists it, or its title or features say it as a phrase
+    ("fragrance free" in "Fragrance-Free Face Moisturizer")."""
     wanted = normalize(attribute)
+    if not wanted:
+        return False
     if wanted in {normalize(a) for a in product.attributes}:
         return True
-    words = content_tokens(attribute)
-    text = content_tokens(" ".join((product.title, *product.features)))
-    return bool(words) and words <= text
+    return any(f" {wanted} " in f" {normalize(text)} " for text in (product.title, *product.features))
 
 
 def option_matched(value: str, selected: Iterable[str]) -> bool:
@@ -109,7 +110,9 @@ def webshop_score(goal: Goal, product: Product, selected_options: Mapping[str, s
         "matched_attributes": matched_attributes,
         "missing_attributes": [a for a in goal.attributes if a not in matched_attributes],
         "matched_options": matched_options,
-        "missing_options": [f"{g}: {v}" for g, v in goal.options.items() if f"{g}: {v}" not in matched_options],
+        "missing_options": [
+            f"{g}: {v}" for g, v in goal.options.items() if f"{g}: {v}" not in matched_options
+        ],
         "type_overlap": type_part["type_overlap"],
         "same_type": type_part["same_type"],
         "same_category": type_part["same_category"],

@@ -14,11 +14,22 @@ def webshop_reward(env: WebShopEnv) -> dict[str, Any]:
     the chain's purchase, with its components as extras; 0.0 with `bought=False` when nothing was bought."""
     purchase = env.purchase
     if purchase is None:
-        return {"reward": 0.0, "bought": False, "actions": env.session.actions,
-                "invalid_actions": env.session.invalid_actions}
+        return {
+            "reward": 0.0,
+            "bought": False,
+            "actions": env.session.actions,
+            "invalid_actions": env.session.invalid_actions,
+        }
     score = dict(purchase.get("score") or {})
     if "reward" not in score:
-        raise ValueError("the chain bought a product but its WebShop session has no goal to score against; "
-                         "the agent must reset the environment with a dataset row that has a 'goal'")
-    return {**score, "bought": True, "bought_asin": purchase["asin"], "actions": env.session.actions,
-            "invalid_actions": env.session.invalid_actions}
+        raise ValueError(
+            "the chain bought a product but its WebShop session has no goal to score against; "
+            "the agent must reset the environment with a dataset row that has a 'goal'"
+        )
+    return {
+        **score,
+        "bought": True,
+        "bought_asin": purchase["asin"],
+        "actions": env.session.actions,
+        "invalid_actions": env.session.invalid_actions,
+    }

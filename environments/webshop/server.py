@@ -43,7 +43,9 @@ class SessionStore:
     def reset(self, session_id: str, split: str = "heldout", index: int = 0) -> ShopSession:
         goals = self.goals(split)
         if not 0 <= index < len(goals):
-            raise web.HTTPBadRequest(text=f"goal index {index} is out of range: the {split} split has {len(goals)}")
+            raise web.HTTPBadRequest(
+                text=f"goal index {index} is out of range: the {split} split has {len(goals)}"
+            )
         session = ShopSession(self.shop, goals[index])
         self.sessions[session_id] = session
         self.sessions.move_to_end(session_id)
@@ -60,10 +62,14 @@ class SessionStore:
 
 
 def _state(session: ShopSession, outcome=None) -> dict[str, Any]:
-    return {"observation": outcome.observation if outcome else session.observation(),
-            "reward": outcome.reward if outcome else None, "done": session.page == "done",
-            "info": outcome.info if outcome else {}, "available_actions": session.available_actions(),
-            "page": session.page}
+    return {
+        "observation": outcome.observation if outcome else session.observation(),
+        "reward": outcome.reward if outcome else None,
+        "done": session.page == "done",
+        "info": outcome.info if outcome else {},
+        "available_actions": session.available_actions(),
+        "page": session.page,
+    }
 
 
 def render_html(session_id: str, text: str, page: str) -> str:
@@ -80,18 +86,22 @@ def render_html(session_id: str, text: str, page: str) -> str:
     for line in text.split("\n"):
         pieces, last = [], 0
         for match in _BUTTON.finditer(line):
-            pieces.append(html.escape(line[last:match.start()]))
+            pieces.append(html.escape(line[last : match.start()]))
             pieces.append(link(match))
             last = match.end()
         pieces.append(html.escape(line[last:]))
         parts.append("".join(pieces))
     body = "<br>\n".join(parts)
     if page == "search":
-        body += (f'<form action="{base}/search"><input name="q" size="60" autofocus> '
-                 '<button type="submit">Search</button></form>')
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>WebShop</title></head>"
-            f"<body style='font-family: sans-serif; max-width: 60em'>{body}"
-            f"<p><a href='/'>other goals</a></p></body></html>")
+        body += (
+            f'<form action="{base}/search"><input name="q" size="60" autofocus> '
+            '<button type="submit">Search</button></form>'
+        )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>WebShop</title></head>"
+        f"<body style='font-family: sans-serif; max-width: 60em'>{body}"
+        f"<p><a href='/'>other goals</a></p></body></html>"
+    )
 
 
 def make_app(shop: Shop, max_sessions: int = 1000) -> web.Application:
@@ -117,11 +127,16 @@ def make_app(shop: Shop, max_sessions: int = 1000) -> web.Application:
     @routes.get("/")
     async def index(request: web.Request) -> web.Response:
         goals = store.goals(request.query.get("split", "heldout"))
-        items = "".join(f'<li><a href="/session/g{i}/reset?index={i}">{html.escape(g.instruction)}</a></li>'
-                        for i, g in enumerate(goals[:100]))
-        return web.Response(text=f"<!doctype html><html><head><meta charset='utf-8'><title>WebShop</title>"
-                                 f"</head><body><h3>WebShop goals (held-out)</h3><ol start=0>{items}</ol>"
-                                 f"</body></html>", content_type="text/html")
+        items = "".join(
+            f'<li><a href="/session/g{i}/reset?index={i}">{html.escape(g.instruction)}</a></li>'
+            for i, g in enumerate(goals[:100])
+        )
+        return web.Response(
+            text=f"<!doctype html><html><head><meta charset='utf-8'><title>WebShop</title>"
+            f"</head><body><h3>WebShop goals (held-out)</h3><ol start=0>{items}</ol>"
+            f"</body></html>",
+            content_type="text/html",
+        )
 
     @routes.get("/session/{sid}/reset")
     async def reset_page(request: web.Request) -> web.Response:
@@ -133,13 +148,17 @@ def make_app(shop: Shop, max_sessions: int = 1000) -> web.Application:
     async def show(request: web.Request) -> web.Response:
         sid = request.match_info["sid"]
         session = store.get(sid)
-        return web.Response(text=render_html(sid, session.observation(), session.page), content_type="text/html")
+        return web.Response(
+            text=render_html(sid, session.observation(), session.page), content_type="text/html"
+        )
 
     async def act(request: web.Request, action: str) -> web.Response:
         sid = request.match_info["sid"]
         session = store.get(sid)
         outcome = session.act(action)
-        return web.Response(text=render_html(sid, outcome.observation, session.page), content_type="text/html")
+        return web.Response(
+            text=render_html(sid, outcome.observation, session.page), content_type="text/html"
+        )
 
     @routes.get("/session/{sid}/search")
     async def search_page(request: web.Request) -> web.Response:
@@ -160,7 +179,9 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-products", type=int, default=1000)
-    parser.add_argument("--items-path", default="", help="official items_shuffle*.json (with --attributes-path)")
+    parser.add_argument(
+        "--items-path", default="", help="official items_shuffle*.json (with --attributes-path)"
+    )
     parser.add_argument("--attributes-path", default="")
     args = parser.parse_args(argv)
     if args.items_path:

@@ -16,7 +16,7 @@ available on the current page leaves the page as it is and the observation says 
     shop = Shop(catalog)
     session = ShopSession(shop, goal)
     text = session.observation()
-    outcome = session.act("search[face moisturizer paraben free]")   # ActionOutcome(observation, reward, done, info)
+    outcome = session.act("search[face moisturizer]")   # ActionOutcome(observation, reward, done, info)
 """
 
 from __future__ import annotations
@@ -55,8 +55,16 @@ def parse_action(action: str) -> tuple[str, str] | None:
 def product_search_text(product: Product) -> str:
     """What the product search indexes: title, type, category, attributes, features and option values."""
     options = " ".join(value for values in product.options.values() for value in values)
-    return " ".join((product.title, product.product_type, product.category.replace("›", " "),
-                     " ".join(product.attributes), " ".join(product.features), options))
+    return " ".join(
+        (
+            product.title,
+            product.product_type,
+            product.category.replace("›", " "),
+            " ".join(product.attributes),
+            " ".join(product.features),
+            options,
+        )
+    )
 
 
 class Shop:
@@ -127,15 +135,19 @@ class ShopSession:
         if self.page == "item":
             product = self.shop.by_asin[self.asin]
             options = [f"click[{value}]" for values in product.options.values() for value in values]
-            return ([f"click[{BACK_TO_SEARCH}]", f"click[{PREV_PAGE}]"] + options
-                    + [f"click[{name}]" for name in DETAIL_PAGES] + [f"click[{BUY_NOW}]"])
+            return (
+                [f"click[{BACK_TO_SEARCH}]", f"click[{PREV_PAGE}]"]
+                + options
+                + [f"click[{name}]" for name in DETAIL_PAGES]
+                + [f"click[{BUY_NOW}]"]
+            )
         if self.page == "detail":
             return [f"click[{BACK_TO_SEARCH}]", f"click[{PREV_PAGE}]"]
         return []
 
     def _page_asins(self) -> list[str]:
         start = (self.page_number - 1) * RESULTS_PER_PAGE
-        return self.results[start:start + RESULTS_PER_PAGE]
+        return self.results[start : start + RESULTS_PER_PAGE]
 
     def observation(self) -> str:
         """The current page as text."""
@@ -147,8 +159,10 @@ class ShopSession:
             if not self.results:
                 lines.append(f'No results for "{self.query}". Click [{BACK_TO_SEARCH}] and try other words.')
                 return head + "\n".join(lines)
-            lines.append(f'Results for "{self.query}": page {self.page_number} of {self.num_pages} '
-                         f"(total results: {len(self.results)})")
+            lines.append(
+                f'Results for "{self.query}": page {self.page_number} of {self.num_pages} '
+                f"(total results: {len(self.results)})"
+            )
             buttons = []
             if self.page_number > 1:
                 buttons.append(f"[{PREV_PAGE}]")
@@ -162,8 +176,12 @@ class ShopSession:
             return head + "\n".join(lines)
         product = self.shop.by_asin[self.asin] if self.asin else None
         if self.page == "item":
-            lines = [f"[{BACK_TO_SEARCH}] [{PREV_PAGE}]", product.title, f"Price: ${product.price:.2f}",
-                     f"Rating: {product.rating if product.rating is not None else 'N.A.'}"]
+            lines = [
+                f"[{BACK_TO_SEARCH}] [{PREV_PAGE}]",
+                product.title,
+                f"Price: ${product.price:.2f}",
+                f"Rating: {product.rating if product.rating is not None else 'N.A.'}",
+            ]
             for group, values in product.options.items():
                 lines.append(f"{group}: " + " ".join(f"[{value}]" for value in values))
             if self.selected:
@@ -180,8 +198,10 @@ class ShopSession:
             return head + f"[{BACK_TO_SEARCH}] [{PREV_PAGE}]\n{product.title} — {self.detail}\n{body}"
         bought = self.purchase or {}
         options = ", ".join(f"{g} = {v}" for g, v in bought.get("options", {}).items()) or "no options"
-        return (f"Thank you for shopping with us! You bought [{bought.get('asin')}] {bought.get('title')} "
-                f"({options}) for ${bought.get('price', 0):.2f}. The episode is over.")
+        return (
+            f"Thank you for shopping with us! You bought [{bought.get('asin')}] {bought.get('title')} "
+            f"({options}) for ${bought.get('price', 0):.2f}. The episode is over."
+        )
 
     # ----------------------------------------------------------------------------------------- actions
 
@@ -196,8 +216,9 @@ class ShopSession:
         kind, argument = parsed
         if kind == "search":
             if self.page != "search":
-                return self._invalid(action, f"search is only available on the search page; click "
-                                             f"[{BACK_TO_SEARCH}] first")
+                return self._invalid(
+                    action, f"search is only available on the search page; click [{BACK_TO_SEARCH}] first"
+                )
             if not argument:
                 return self._invalid(action, "the search query is empty")
             self.searches += 1
@@ -249,8 +270,12 @@ class ShopSession:
         return self._invalid(action, f"'{target}' is not a button on this page")
 
     def _buy(self, product: Product) -> ActionOutcome:
-        self.purchase = {"asin": product.asin, "title": product.title, "price": product.price,
-                         "options": dict(self.selected)}
+        self.purchase = {
+            "asin": product.asin,
+            "title": product.title,
+            "price": product.price,
+            "options": dict(self.selected),
+        }
         self.page = "done"
         info: dict[str, Any] = {"purchase": dict(self.purchase)}
         reward = None
@@ -269,13 +294,17 @@ class ShopSession:
         available = ", ".join(self.available_actions()) or "none"
         shown = str(action).strip()
         shown = shown if len(shown) <= 200 else shown[:200] + "..."
-        text = (f"Invalid action {shown!r}: {why}. Available actions: {available}.\n\n"
-                f"{self.observation()}")
+        text = f"Invalid action {shown!r}: {why}. Available actions: {available}.\n\n{self.observation()}"
         return ActionOutcome(text, done=self.page == "done", info=self._info({"invalid": True, "why": why}))
 
     def _info(self, extra: dict[str, Any]) -> dict[str, Any]:
-        return {"page": self.page, "actions": self.actions, "invalid_actions": self.invalid_actions,
-                "searches": self.searches, **extra}
+        return {
+            "page": self.page,
+            "actions": self.actions,
+            "invalid_actions": self.invalid_actions,
+            "searches": self.searches,
+            **extra,
+        }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,10 +332,13 @@ def catalog_from_config(
         return generate_catalog(seed, num_products, goals_per_product, heldout_fraction)
     if source == "official":
         if not items_path or not attributes_path:
-            raise ValueError("the official WebShop catalog needs items_path and attributes_path "
-                             "(items_shuffle*.json and items_ins_v2*.json)")
-        return load_official_catalog(items_path, attributes_path, human_goals_path, seed=seed,
-                                     heldout_fraction=heldout_fraction)
+            raise ValueError(
+                "the official WebShop catalog needs items_path and attributes_path "
+                "(items_shuffle*.json and items_ins_v2*.json)"
+            )
+        return load_official_catalog(
+            items_path, attributes_path, human_goals_path, seed=seed, heldout_fraction=heldout_fraction
+        )
     raise ValueError(f"unknown WebShop catalog source {source!r}; expected 'generated' or 'official'")
 
 
@@ -328,7 +360,9 @@ def goal_of(task: Any) -> Goal | None:
         task = task["goal"]
     if isinstance(task, dict):
         return Goal.from_dict(task)
-    raise TypeError(f"a WebShop task is a dataset row with a 'goal' dict or a goal dict, got {type(task).__name__}")
+    raise TypeError(
+        f"a WebShop task is a dataset row with a 'goal' dict or a goal dict, got {type(task).__name__}"
+    )
 
 
 def page_asins(observation: str) -> Sequence[str]:

@@ -21,14 +21,26 @@ QUESTION_TEMPLATE = (
 )
 
 #: The catalog keys of a task config, passed to the environment as pool kwargs too.
-CATALOG_KEYS = ("source", "seed", "num_products", "goals_per_product", "heldout_fraction", "items_path",
-                "attributes_path", "human_goals_path")
+CATALOG_KEYS = (
+    "source",
+    "seed",
+    "num_products",
+    "goals_per_product",
+    "heldout_fraction",
+    "items_path",
+    "attributes_path",
+    "human_goals_path",
+)
 
 
 def goal_row(goal: Goal) -> dict[str, Any]:
     """The dataset row of one goal."""
-    return {"question": QUESTION_TEMPLATE.format(instruction=goal.instruction), "goal": goal.to_dict(),
-            "goal_id": goal.goal_id, "instruction": goal.instruction}
+    return {
+        "question": QUESTION_TEMPLATE.format(instruction=goal.instruction),
+        "goal": goal.to_dict(),
+        "goal_id": goal.goal_id,
+        "instruction": goal.instruction,
+    }
 
 
 def catalog_config(task_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,5 +54,8 @@ def build_tasks(task_config: Mapping[str, Any], seed: int = 0) -> tuple[list[dic
     shop = get_shop(**catalog_config(task_config))
     train = [goal_row(goal) for goal in shop.catalog.train_goals]
     heldout = [goal_row(goal) for goal in shop.catalog.heldout_goals]
-    num_train, num_eval = task_config.get("num_train") or len(train), task_config.get("num_eval") or len(heldout)
+    num_train, num_eval = (
+        task_config.get("num_train") or len(train),
+        task_config.get("num_eval") or len(heldout),
+    )
     return train[:num_train], heldout[:num_eval]

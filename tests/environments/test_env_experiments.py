@@ -1,6 +1,6 @@
 """The WebShop and search experiment configs wire up: task rows, tools and reward by import path, and the
 resource manager of `config.envs`; a ToolCallingAgent built from each config by the trainer's builders runs
-chains end to end (a scripted model writes the oracle's tool calls in Qwen2.5's format) and gets reward 1.0."""
+chains end to end (a scripted model writes the oracle's tool calls in Qwen2.5's format), reward 1.0."""
 
 import asyncio
 import importlib.util
@@ -58,7 +58,10 @@ def test_webshop_grpo_config_runs_oracle_chains(qwen_tokenizer):  # noqa: F811
     backend = FakeScriptedBackend(qwen_tokenizer, script)
     agent = builders.build_agent(config, backend, qwen_tokenizer)
     assert isinstance(agent.env_provider, ResourceManager) and agent.env_provider.pool_names == ["webshop"]
-    assert sorted(agent.tools) == ["webshop_click", "webshop_search"] and agent.reward_fn.name == "webshop_reward"
+    assert (
+        sorted(agent.tools) == ["webshop_click", "webshop_search"]
+        and agent.reward_fn.name == "webshop_reward"
+    )
 
     async def main():
         try:

@@ -23,8 +23,9 @@ def eval_env():
 @pytest.mark.parametrize("env, num", [("webshop", 24), ("search", 40)])
 def test_oracle_and_random_agents(eval_env, env, num, tmp_path, capsys):
     out = tmp_path / "oracle.json"
-    oracle = eval_env.main(["--env", env, "--agent", "oracle", "--split", "test", "--num", str(num),
-                            "--json", str(out)])
+    oracle = eval_env.main(
+        ["--env", env, "--agent", "oracle", "--split", "test", "--num", str(num), "--json", str(out)]
+    )
     headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert headline["success"] == 1.0 and oracle["reward_mean"] == 1.0 and oracle["tasks"] == num
     assert oracle["tool_errors_total"] == 0 and oracle["chain_errors"] == 0 and oracle["reward_failures"] == 0
@@ -36,7 +37,8 @@ def test_oracle_and_random_agents(eval_env, env, num, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_fanoutqa_oracle(eval_env):
-    summary = eval_env.main(["--env", "search", "--agent", "oracle", "--num", "8",
-                             "--option", "question_set=fanoutqa"])
+    summary = eval_env.main(
+        ["--env", "search", "--agent", "oracle", "--num", "8", "--option", "question_set=fanoutqa"]
+    )
     assert summary["success"] == 1.0 and summary["tasks"] == 8
     assert summary["tool_calls_mean"] > 2  # multi-hop: it searches several evidence articles

@@ -119,8 +119,10 @@ def test_fanoutqa_dev_filtered_to_the_corpus(index):
     sub = fanoutqa_questions(index.documents, level="sub")
     assert len(sub) > 400 and all(index.get(q["gold_titles"][0]) for q in sub)
     grounded = [q for q in sub if q["answer_in_corpus"]]
-    assert grounded and all(normalize_qa_answer(q["answer"][0]) in normalize_qa_answer(
-        index.get(q["gold_titles"][0]).text) for q in grounded)
+    assert grounded and all(
+        normalize_qa_answer(q["answer"][0]) in normalize_qa_answer(index.get(q["gold_titles"][0]).text)
+        for q in grounded
+    )
 
 
 def test_task_rows(index):
@@ -141,8 +143,9 @@ def test_search_tool_through_the_resource_manager_with_64_concurrent_chains(inde
             call = {"name": "search", "arguments": {"query": row["question"], "k": 5}}
             result = await execute_tool_call(call, [search], context=context)
             env = await context.env("search")
-            bad = await execute_tool_call({"name": "search", "arguments": {"query": "x", "k": 50}}, [search],
-                                          context=context)
+            bad = await execute_tool_call(
+                {"name": "search", "arguments": {"query": "x", "k": 50}}, [search], context=context
+            )
             return result, env.gold_recall(), env.queries, bad
 
     async def main():

@@ -40,18 +40,27 @@ def shop():
 # ------------------------------------------------------------------------------------------------- reward
 
 GOAL = Goal(
-    goal_id="g", instruction="i need a face moisturizer ...", asin="B000000001", product_type="face moisturizer",
-    category="Beauty › Skin Care › Face", title="Acme Face Moisturizer",
-    attributes=("paraben free", "long lasting", "fragrance free"), options={"size": "2 ounce", "scent": "lavender"},
+    goal_id="g",
+    instruction="i need a face moisturizer ...",
+    asin="B000000001",
+    product_type="face moisturizer",
+    category="Beauty › Skin Care › Face",
+    title="Acme Face Moisturizer",
+    attributes=("paraben free", "long lasting", "fragrance free"),
+    options={"size": "2 ounce", "scent": "lavender"},
     price_upper=30.0,
 )
 
 
 def product(**changes):
     fields = dict(
-        asin="B000000001", title="Acme Hydrating Face Moisturizer", product_type="face moisturizer",
-        category="Beauty › Skin Care › Face", attributes=("fragrance free", "long lasting", "paraben free"),
-        options={"size": ("1 ounce", "2 ounce"), "scent": ("lavender", "rose")}, price=25.0,
+        asin="B000000001",
+        title="Acme Hydrating Face Moisturizer",
+        product_type="face moisturizer",
+        category="Beauty › Skin Care › Face",
+        attributes=("fragrance free", "long lasting", "paraben free"),
+        options={"size": ("1 ounce", "2 ounce"), "scent": ("lavender", "rose")},
+        price=25.0,
         features=("Gentle on skin.",),
     )
     fields.update(changes)
@@ -75,12 +84,17 @@ def test_reward_wrong_option():
 
 
 def test_reward_wrong_type():
-    headphones = product(title="Sonaro Bluetooth Headphones, Wireless", product_type="bluetooth headphones",
-                         category="Electronics › Headphones")
+    headphones = product(
+        title="Sonaro Bluetooth Headphones, Wireless",
+        product_type="bluetooth headphones",
+        category="Electronics › Headphones",
+    )
     score = webshop_score(GOAL, headphones, {"size": "2 ounce", "scent": "lavender"})
     assert score["r_type"] == 0.0 and score["reward"] == 0.0
     # Half of the type's words match (a face wash for a face moisturizer): r_type 0.5, the rest all matched.
-    face_wash = product(title="Acme Foaming Face Wash", product_type="face wash", category="Beauty › Skin Care › Face")
+    face_wash = product(
+        title="Acme Foaming Face Wash", product_type="face wash", category="Beauty › Skin Care › Face"
+    )
     assert type_reward(GOAL, face_wash)["r_type"] == 0.5
     assert webshop_score(GOAL, face_wash, {"size": "2 ounce", "scent": "lavender"})["reward"] == 0.5
     # Same category, no shared type word: 0.1.
@@ -91,7 +105,9 @@ def test_reward_wrong_type():
 def test_reward_over_budget():
     score = webshop_score(GOAL, product(price=35.0), {"size": "2 ounce", "scent": "lavender"})
     assert score["r_price"] == 0.0 and score["reward"] == pytest.approx(5 / 6)
-    assert webshop_score(GOAL, product(price=30.0), {"size": "2 ounce", "scent": "lavender"})["r_price"] == 1.0
+    assert (
+        webshop_score(GOAL, product(price=30.0), {"size": "2 ounce", "scent": "lavender"})["r_price"] == 1.0
+    )
 
 
 def test_reward_attribute_matching_and_option_normalisation():
@@ -99,7 +115,9 @@ def test_reward_attribute_matching_and_option_normalisation():
     score = webshop_score(GOAL, missing, {"size": "2 ounce", "scent": "lavender"})
     assert score["reward"] == pytest.approx(5 / 6) and score["missing_attributes"] == ["fragrance free"]
     # An attribute the listing does not tag but names in its title or features counts (WebShop matches text).
-    in_title = product(attributes=("long lasting", "paraben free"), title="Acme Fragrance-Free Face Moisturizer")
+    in_title = product(
+        attributes=("long lasting", "paraben free"), title="Acme Fragrance-Free Face Moisturizer"
+    )
     assert webshop_score(GOAL, in_title, {"size": "2 ounce", "scent": "lavender"})["r_att"] == 1.0
     fl_oz = Goal(**{**GOAL.__dict__, "options": {"size": "3.4 fl oz"}})
     assert webshop_score(fl_oz, product(), {"size": "3.4 Fl. Oz"})["r_option"] == 1.0
@@ -142,7 +160,10 @@ def test_invalid_actions_give_a_readable_observation_and_change_nothing(shop):
     session.act(f"click[{listed[0].lower()}]")  # product ids match case-insensitively
     assert session.page == "item"
     outcome = session.act("click[purple polka dots]")
-    assert "is not an option or a button of this item" in outcome.observation and "click[Buy Now]" in outcome.observation
+    assert (
+        "is not an option or a button of this item" in outcome.observation
+        and "click[Buy Now]" in outcome.observation
+    )
     assert session.invalid_actions == 6
     session.act("click[Buy Now]")
     after = session.act("click[Back to Search]")
@@ -190,7 +211,9 @@ def test_option_selection_and_purchase_info(shop):
     for value in goal.options.values():
         session.act(f"click[{value}]")
     outcome = session.act("click[Buy Now]")
-    assert outcome.done and outcome.reward == 1.0 and outcome.info["purchase"]["options"] == dict(goal.options)
+    assert (
+        outcome.done and outcome.reward == 1.0 and outcome.info["purchase"]["options"] == dict(goal.options)
+    )
     assert {"r_type", "r_att", "r_option", "r_price", "matched_attributes"} <= set(outcome.info)
 
 
@@ -220,28 +243,52 @@ def test_generated_catalog_is_deterministic_and_every_goal_is_satisfiable():
 
 def test_official_webshop_files_load(tmp_path):
     items = [
-        {"asin": "B078GWRC1J", "name": "Bright Citrus Deodorant by Earth Mama", "query": "deodorant",
-         "product_category": "Beauty & Personal Care › Personal Care › Deodorants", "pricing": "$10.99",
-         "customization_options": {"size": [{"value": "3 Ounce (Pack of 1)", "image": None},
-                                            {"value": "3 ounce (pack of 2)", "image": None}]},
-         "small_description": ["Natural and safe for sensitive skin"], "full_description": "A deodorant.",
-         "Reviews": [], "average_rating": "4.5"},
-        {"asin": "B08KBVJ4XN", "name": "Barrel and Oak - Aluminum-Free Deodorant", "query": "deodorant",
-         "product_category": "Beauty & Personal Care › Personal Care › Deodorants",
-         "pricing": ["$15.95", "$29.95"], "customization_options": {}},
+        {
+            "asin": "B078GWRC1J",
+            "name": "Bright Citrus Deodorant by Earth Mama",
+            "query": "deodorant",
+            "product_category": "Beauty & Personal Care › Personal Care › Deodorants",
+            "pricing": "$10.99",
+            "customization_options": {
+                "size": [
+                    {"value": "3 Ounce (Pack of 1)", "image": None},
+                    {"value": "3 ounce (pack of 2)", "image": None},
+                ]
+            },
+            "small_description": ["Natural and safe for sensitive skin"],
+            "full_description": "A deodorant.",
+            "Reviews": [],
+            "average_rating": "4.5",
+        },
+        {
+            "asin": "B08KBVJ4XN",
+            "name": "Barrel and Oak - Aluminum-Free Deodorant",
+            "query": "deodorant",
+            "product_category": "Beauty & Personal Care › Personal Care › Deodorants",
+            "pricing": ["$15.95", "$29.95"],
+            "customization_options": {},
+        },
         {"asin": "B0BROKEN01", "name": "no price at all"},
     ]
     attributes = {
-        "B078GWRC1J": {"attributes": ["fluoride free", "natural ingredients"],
-                       "instruction": "i need a natural deodorant that is fluoride free",
-                       "instruction_attributes": ["fluoride free"], "instruction_options": ["3 ounce (pack of 2)"]},
-        "B08KBVJ4XN": {"attributes": ["aluminum free"], "instruction": "find aluminum free deodorant",
-                       "instruction_attributes": ["aluminum free"], "instruction_options": []},
+        "B078GWRC1J": {
+            "attributes": ["fluoride free", "natural ingredients"],
+            "instruction": "i need a natural deodorant that is fluoride free",
+            "instruction_attributes": ["fluoride free"],
+            "instruction_options": ["3 ounce (pack of 2)"],
+        },
+        "B08KBVJ4XN": {
+            "attributes": ["aluminum free"],
+            "instruction": "find aluminum free deodorant",
+            "instruction_attributes": ["aluminum free"],
+            "instruction_options": [],
+        },
     }
     (tmp_path / "items_shuffle_1000.json").write_text(json.dumps(items))
     (tmp_path / "items_ins_v2_1000.json").write_text(json.dumps(attributes))
-    catalog = load_official_catalog(tmp_path / "items_shuffle_1000.json", tmp_path / "items_ins_v2_1000.json",
-                                    heldout_fraction=0.0)
+    catalog = load_official_catalog(
+        tmp_path / "items_shuffle_1000.json", tmp_path / "items_ins_v2_1000.json", heldout_fraction=0.0
+    )
     assert [p.asin for p in catalog.products] == ["B078GWRC1J", "B08KBVJ4XN"]
     assert "1 skipped" in catalog.source
     deodorant = catalog.by_asin()["B078GWRC1J"]
@@ -251,9 +298,15 @@ def test_official_webshop_files_load(tmp_path):
     goal = next(g for g in catalog.train_goals if g.asin == "B078GWRC1J")
     assert goal.options == {"size": "3 ounce (pack of 2)"} and goal.attributes == ("fluoride free",)
     assert goal.price_upper > 10.99 and "price lower than" in goal.instruction
-    session = ShopSession(get_shop(source="official", items_path=str(tmp_path / "items_shuffle_1000.json"),
-                                   attributes_path=str(tmp_path / "items_ins_v2_1000.json"),
-                                   heldout_fraction=0.0), goal)
+    session = ShopSession(
+        get_shop(
+            source="official",
+            items_path=str(tmp_path / "items_shuffle_1000.json"),
+            attributes_path=str(tmp_path / "items_ins_v2_1000.json"),
+            heldout_fraction=0.0,
+        ),
+        goal,
+    )
     oracle = OracleShopper(goal)
     observation = session.observation()
     while session.page != "done":
@@ -281,8 +334,11 @@ async def oracle_chain(manager, row, key):
         for _ in range(60):
             action = oracle.act(observation)
             kind, argument = parse_action(action)
-            call = ({"name": "webshop_search", "arguments": {"query": argument}} if kind == "search"
-                    else {"name": "webshop_click", "arguments": {"target": argument}})
+            call = (
+                {"name": "webshop_search", "arguments": {"query": argument}}
+                if kind == "search"
+                else {"name": "webshop_click", "arguments": {"target": argument}}
+            )
             result = await execute_tool_call(call, [webshop_search, webshop_click], context=context)
             assert result.ok, result.error
             observation = result.observation
@@ -299,13 +355,17 @@ def test_oracle_buys_heldout_goals_through_the_tools_with_64_concurrent_chains(s
     async def main():
         config = dict(POOL_CONFIG, kwargs=dict(CATALOG, max_actions=60))
         async with ResourceManager({"webshop": config}) as manager:
-            outcomes = await asyncio.gather(*(oracle_chain(manager, row, f"chain-{i}") for i, row in enumerate(rows)))
+            outcomes = await asyncio.gather(
+                *(oracle_chain(manager, row, f"chain-{i}") for i, row in enumerate(rows))
+            )
             metrics = manager.metrics("webshop")
             return outcomes, metrics
 
     outcomes, metrics = asyncio.run(main())
     assert [scored.reward for scored, _ in outcomes] == [1.0] * 64
-    assert all(scored.ok and scored.extras["asin_match"] and scored.extras["bought"] for scored, _ in outcomes)
+    assert all(
+        scored.ok and scored.extras["asin_match"] and scored.extras["bought"] for scored, _ in outcomes
+    )
     assert sum(oracle.pages_turned > 0 for _, oracle in outcomes) >= 10  # many targets are past page 1
     assert metrics["created"] == 64 and metrics["in_use"] == 0 and metrics["failures"] == 0
 
@@ -367,7 +427,9 @@ def test_http_app_json_api_and_html_pages(shop):
             oracle, observation, state = OracleShopper(goal), reply["observation"], {}
             for _ in range(40):
                 action = oracle.act(observation)
-                state = await (await client.post("/api/step", json={"session": "s1", "action": action})).json()
+                state = await (
+                    await client.post("/api/step", json={"session": "s1", "action": action})
+                ).json()
                 observation = state["observation"]
                 if state["done"]:
                     break
