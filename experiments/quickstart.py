@@ -2,8 +2,9 @@
 
     python -m agentfly_jax.train --config experiments/quickstart.py
     python -m agentfly_jax.train --config experiments/quickstart.py --config.algorithm=ppo
+    python -m agentfly_jax.train --config experiments/quickstart.py --config.backend=vllm --config.vllm.launch=True
     python -m agentfly_jax.train --config experiments/quickstart.py --config.backend=vllm \
-        --config.vllm.urls="('http://127.0.0.1:8000',)"
+        --config.vllm.urls="('http://127.0.0.1:8000',)"   # servers started by scripts/start_vllm.sh
 
 A project-built tokenizer and a tiny Qwen2-architecture model are warm-started by SFT on demonstrations in
 which only part of the answers use the `calculator` tool (the rest guess, see `sft.stages`), so the agent
@@ -41,7 +42,10 @@ def get_config(arg: str | None = None):
                                              max_context_tokens=256, temperature=1.0, top_p=1.0, top_k=-1))
     c.backend = "jax"  # "jax" (embedded JaxSampler) or "vllm" (server URLs below)
     c.jax_sampler = ml_collections.ConfigDict(dict(max_slots=128, max_len=256))
-    c.vllm = ml_collections.ConfigDict(dict(urls=(), weight_sync="memory"))
+    # vLLM: servers at `urls` (serving a checkpoint of this model's shape), or launch=True to start num_servers local
+    # ones on the initial policy; either way the trained weights are synced to them after every update.
+    c.vllm = ml_collections.ConfigDict(dict(urls=(), weight_sync="memory", launch=False, num_servers=1,
+                                            server_args=("--dtype", "float32", "--max-model-len", "512")))
 
     # SFT warm start in two stages of demonstrations: tool calls only (the call format and copying numbers),
     # then a mix in which 60% of the answers are guesses, so the warm-started agent calls its tool ~40% of
@@ -64,8 +68,11 @@ def get_config(arg: str | None = None):
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     c.sharding_rules = ()  # () -> agentfly_jax.models.sharding.DEFAULT_RULES
     c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=2))
-    # Success = sampling at temperature 1 (the policy itself), 4 chains per held-out task. Greedy decoding is
-    # logged beside it (eval/success_greedy): it hides the policy's mixing — the warm-started agent's single
-    # most likely first token is already the tool call, so greedy success is high before RL.
-    c.eval = ml_collections.ConfigDict(dict(every=10, num_tasks=64, num_chains=4, temperature=1.0, greedy=True))
+    # Success = sampling at temperature 1 with nucleus top_p 0.95, 4 chains per held-out task: the policy's own mix
+    # of tool use and guessing, without its lowest-probability tail of slips. Logged beside it: plain sampling
+    # (temperature 1, top_p 1 = the training distribution; eval/success_full) and greedy decoding
+    # (eval/success_greedy), which hides the mix: the warm-started agent's single most likely first token is
+    # already the tool call, so greedy success is high before RL.
+    c.eval = ml_collections.ConfigDict(dict(every=10, num_tasks=64, num_chains=4, temperature=1.0, top_p=0.95,
+                                            full_sampling=True, greedy=True))
     return c

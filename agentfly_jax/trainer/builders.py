@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from agentfly_jax.models import CausalLM, ModelConfig, ValueModel, init_params, load_pretrained
+from agentfly_jax.models import CausalLM, ModelConfig, ValueModel, init_params, load_pretrained, save_pretrained
 from agentfly_jax.models import sharding as shd
 
 log = logging.getLogger(__name__)
@@ -161,20 +161,38 @@ def sharding_rules(config):
 
 
 # ----------------------------------------------------------------------------------- backend and agent
-def build_backend(config, model, params):
+def build_backend(config, model, params, workdir: str | None = None):
+    """The rollout backend. With `backend="vllm"` and `vllm.launch=True`, the trainer starts
+    `vllm.num_servers` local servers itself: the initial policy is written to `<workdir>/vllm_model` (the servers
+    need a checkpoint of the policy's shape; the trained weights reach them by weight sync) and the servers are
+    stopped when the backend closes."""
     kind = config.backend
     if kind == "jax":
         from agentfly_jax.rollout.backends import JaxSampler
 
         return JaxSampler(model, params, seed=config.seed, **_cfg(config.jax_sampler))
     if kind == "vllm":
-        from agentfly_jax.rollout.backends import VLLMBackend
+        from agentfly_jax.rollout.backends import LocalVLLMServers, VLLMBackend
 
         v = _cfg(config.vllm)
-        urls = v.pop("urls")
+        urls = list(v.pop("urls"))
+        launch, num_servers = v.pop("launch", False), v.pop("num_servers", 1)
+        server_args = list(v.pop("server_args", ()))
+        servers = None
+        if launch:
+            if urls:
+                raise ValueError("config.vllm.launch=True starts its own servers: leave config.vllm.urls empty")
+            if workdir is None:
+                raise ValueError("config.vllm.launch=True needs a workdir for the served checkpoint")
+            model_dir = os.path.join(workdir, "vllm_model")
+            save_pretrained(model, jax.device_get(params), model_dir)
+            servers = LocalVLLMServers(model_dir, num_servers, extra_args=server_args,
+                                       run_dir=os.path.join(workdir, "vllm"))
+            urls = servers.start()
         if not urls:
-            raise ValueError("config.backend='vllm' needs config.vllm.urls (e.g. ['http://127.0.0.1:8000'])")
-        return VLLMBackend(urls, model, **v)
+            raise ValueError("config.backend='vllm' needs config.vllm.urls (e.g. ['http://127.0.0.1:8000']) or "
+                             "config.vllm.launch=True")
+        return VLLMBackend(urls, model, owned_servers=servers, **v)
     raise ValueError(f"unknown config.backend {kind!r}; expected 'jax' or 'vllm'")
 
 

@@ -107,7 +107,7 @@ def setup(config, workdir: str) -> Run:
 
     # --- Generation backend & agent -------------------------------------------------------------------
     runner = asyncio.Runner()
-    backend = builders.build_backend(config, policy, state.policy.params)
+    backend = builders.build_backend(config, policy, state.policy.params, workdir)
     agent = builders.build_agent(config, backend, tokenizer)
 
     return Run(config=config, workdir=workdir, tokenizer=tokenizer, train_tasks=train_tasks, eval_tasks=eval_tasks,
@@ -178,26 +178,30 @@ def _encoded_to_arrays(encoded, buckets):
 
 # ========================================================================================== evaluation
 def evaluate(run: Run, step: int) -> dict:
-    """Success on held-out tasks sampled at `eval.temperature` with `eval.num_chains` per task (the policy's
-    success rate), and with `eval.greedy` also greedy decoding, one chain per task (logged as eval/*_greedy)."""
+    """Success on held-out tasks: the headline pass samples `eval.num_chains` chains per task at
+    (`eval.temperature`, `eval.top_p`); `eval.full_sampling` adds plain sampling at temperature 1 with top_p 1
+    (the training distribution, logged as eval/*_full) and `eval.greedy` greedy decoding, one chain per task
+    (eval/*_greedy)."""
     ev = run.config.eval
     tasks = run.eval_tasks[:ev.num_tasks]
-    result = _eval_pass(run, step, tasks, ev.temperature, ev.num_chains, "")
+    result = _eval_pass(run, step, tasks, ev.temperature, ev.get("top_p", 1.0), ev.num_chains, "")
+    if ev.get("full_sampling", False):
+        result.update(_eval_pass(run, step, tasks, 1.0, 1.0, ev.num_chains, "_full"))
     if ev.get("greedy", False):
-        result.update(_eval_pass(run, step, tasks, 0.0, 1, "_greedy"))
+        result.update(_eval_pass(run, step, tasks, 0.0, 1.0, 1, "_greedy"))
     run.writer.scalars(step, result)
     return result
 
 
-def _eval_pass(run: Run, step: int, tasks, temperature: float, num_chains: int, suffix: str) -> dict:
+def _eval_pass(run: Run, step: int, tasks, temperature: float, top_p: float, num_chains: int, suffix: str) -> dict:
     agent = run.agent
-    saved = agent.temperature
-    agent.temperature = temperature
+    saved = agent.temperature, agent.top_p
+    agent.temperature, agent.top_p = temperature, top_p
     try:
         trajs = run.runner.run(agent.run(tasks, num_chains=num_chains, seed=10_000_019 + step,
                                          progress=run.config.progress))
     finally:
-        agent.temperature = saved
+        agent.temperature, agent.top_p = saved
     rewards = np.array([t.reward for t in trajs])
     sample = trajs[0]
     run.writer.text(step, f"eval/sample_trajectory{suffix}",
@@ -368,9 +372,11 @@ def train(config, workdir: str | None = None) -> dict:
         run.tokenizer.save_pretrained(final_dir)
         summary = {"algorithm": config.algorithm, "success_before": before.get("eval/success"),
                    "success_after": after.get("eval/success"),
+                   "success_before_full_sampling": before.get("eval/success_full"),
+                   "success_after_full_sampling": after.get("eval/success_full"),
                    "success_before_greedy": before.get("eval/success_greedy"),
                    "success_after_greedy": after.get("eval/success_greedy"),
-                   "eval_temperature": config.eval.temperature,
+                   "eval_temperature": config.eval.temperature, "eval_top_p": config.eval.get("top_p", 1.0),
                    "steps": config.rl.steps, "wall_seconds": round(time.time() - t_start, 1),
                    "resumed_from": start_step if restored is not None else None, "sft": sft_metrics,
                    "backend": config.backend, "workdir": os.path.abspath(workdir), "final_policy": final_dir}

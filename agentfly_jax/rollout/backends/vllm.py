@@ -92,13 +92,14 @@ class VLLMBackend(GenerationBackend):
     open a connection, update_timeout for each step of a weight update (pausing waits for running requests).
     Retries: max_retries more attempts after the first, sleeping retry_backoff * 2**attempt (<= max_backoff);
     a failed server is avoided for down_time seconds (doubling per consecutive failure) while others are up.
+    owned_servers: servers this backend was started with (e.g. a `LocalVLLMServers`); `close()` stops them.
     """
 
     def __init__(self, urls: str | Sequence[str], model=None, *, served_model_name: str | None = None,
                  request_timeout: float = 600.0, connect_timeout: float = 5.0, update_timeout: float = 900.0,
                  max_retries: int = 3, retry_backoff: float = 0.5, max_backoff: float = 8.0,
                  down_time: float = 5.0, max_connections: int = 256, sync_dtype=None, weight_sync: str = "memory",
-                 weight_dir: str | None = None, chunk_bytes: int = 256 << 20):
+                 weight_dir: str | None = None, chunk_bytes: int = 256 << 20, owned_servers=None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("VLLMBackend needs at least one server URL")
@@ -117,6 +118,7 @@ class VLLMBackend(GenerationBackend):
         self.weight_dir = weight_dir
         self._own_weight_dir = None
         self.chunk_bytes = int(chunk_bytes)
+        self.owned_servers = owned_servers
         self.weight_version = 0
         self.stats: collections.Counter = collections.Counter()
         self._session = None
@@ -445,7 +447,7 @@ class VLLMBackend(GenerationBackend):
                 "weight_version": self.weight_version, "stats": dict(self.stats)}
 
     async def close(self) -> None:
-        """Closes the HTTP session (the servers keep running); idempotent."""
+        """Closes the HTTP session; stops `owned_servers` (other servers keep running); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -454,6 +456,8 @@ class VLLMBackend(GenerationBackend):
             await session.close()
         if self._own_weight_dir:
             shutil.rmtree(self._own_weight_dir, ignore_errors=True)
+        if self.owned_servers is not None:
+            await asyncio.to_thread(self.owned_servers.stop)
 
 
 __all__ = ["VLLMBackend", "VLLMServerError"]
