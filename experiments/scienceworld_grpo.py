@@ -2,14 +2,24 @@
 
     python -m agentfly_jax.train --config experiments/scienceworld_grpo.py \
         --config.model.hf_path=/path/to/Qwen2.5-7B-Instruct --config.tokenizer.path=/path/to/Qwen2.5-7B-Instruct
-    python -m agentfly_jax.train --config experiments/scienceworld_grpo.py --config.rl.steps=1 \
-        --config.rl.tasks_per_step=2 --config.rl.chains_per_task=2 --config.eval.num_tasks=0   # plumbing check
+    python -m agentfly_jax.train --config experiments/scienceworld_grpo.py --config.rl.steps=2 \
+        --config.rl.tasks_per_step=1 --config.rl.chains_per_task=2 --config.agent.max_turns=2 \
+        --config.eval.num_tasks=1 --config.agent.max_new_tokens=16 --config.agent.max_context_tokens=1024 \
+        --config.jax_sampler.max_slots=2 --config.jax_sampler.max_len=1024 --config.seq_buckets="(512,1024)" \
+        --config.row_bucket=2 --config.rl.mini_batches=1 --config.rl.micro_batches=1   # CPU plumbing check
     python scripts/eval_env.py --env scienceworld --agent oracle --num 12   # the gold paths reach reward 1.0
 
+The CPU plumbing check runs two GRPO steps of the tiny random model in ≈ 50 s on 2 cores (Qwen's 151k-token
+vocabulary makes the default 2,048-8,192-token buckets an accelerator's job); tests/environments/
+test_env_experiments.py runs exactly that command.
+
 Rows are (task, variation) pairs of the package's train split (held-out: its test split), the question is the
-task description. The agent calls `scienceworld_step(action)` (and `scienceworld_valid_actions(contains)`)
-on its own simulator: one JVM per chain (≈ 250 MB, `-Xmx384m`), pooled and reused by the resource manager. The
-reward is the package's score scaled to [0, 1] (`scienceworld_reward`); GRPO compares the chains of each task.
+task description. They cost nothing at start: the catalog of splits is listed once (≈ 5 s, then cached under
+~/.cache/agentfly_jax/scienceworld) and a row's description is read from the simulator when a step first uses
+it (`environments.scienceworld.TaskRows`). The agent calls `scienceworld_step(action)` (and
+`scienceworld_valid_actions(contains)`) on its own simulator: one JVM per chain (≈ 250 MB, `-Xmx384m`), pooled
+and reused by the resource manager. The reward is the package's score scaled to [0, 1] (`scienceworld_reward`);
+GRPO compares the chains of each task.
 
 Defaults follow AgentFly's multi-turn GRPO recipe (a ReAct agent, up to 20 turns, 8 chains per task,
 temperature 1.0, constant small learning rate, token-mean loss, asymmetric clipping 0.2/0.28), scaled to the

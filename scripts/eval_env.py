@@ -2,9 +2,10 @@
 
     .venv/bin/python scripts/eval_env.py --env scienceworld --agent oracle --num 4
     .venv/bin/python scripts/eval_env.py --env alfworld --agent random --num 12 --seed 1 --json out.json
-    .venv/bin/python scripts/eval_env.py --env alfworld --agent model --backend jax --model runs/x/final_policy
+    .venv/bin/python scripts/eval_env.py --env alfworld --agent model --backend jax --model runs/x/final_policy \
+        --chat-template qwen2.5
     .venv/bin/python scripts/eval_env.py --env scienceworld --agent model --backend vllm \
-        --model runs/x/final_policy --vllm-url http://127.0.0.1:8000
+        --model runs/x/final_policy --chat-template qwen2.5 --vllm-url http://127.0.0.1:8000
 
 `--env NAME` imports `environments.NAME` and calls its `eval_spec(**options)` (options from `--option k=v`,
 values parsed as JSON when they parse). The agent runs through the real rollout: tools on pooled
@@ -56,6 +57,21 @@ def load_spec(name: str, options: dict) -> EvalSpec:
     return spec
 
 
+# Model types whose tokenizers transformers may need to correct (its `fix_mistral_regex` check).
+_MISTRAL_MODEL_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
+
+
+def _tokenizer_options(model_dir: str) -> dict:
+    """transformers warns of a broken Mistral pre-tokenizer regex ("incorrect tokenization") for any local
+    checkpoint whose config.json lacks `transformers_version`, as agentfly_jax's save_pretrained writes it. For a
+    model type that is not Mistral's nothing is corrected either way, so the false warning is switched off."""
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        config = json.load(fh)
+    if "transformers_version" in config or config.get("model_type") in _MISTRAL_MODEL_TYPES:
+        return {}
+    return {"fix_mistral_regex": False}
+
+
 def model_agent_factory(spec: EvalSpec, args):
     """A ReAct agent over a checkpoint (JAX sampler or vLLM server) for `evaluate`."""
     from transformers import AutoTokenizer
@@ -65,7 +81,14 @@ def model_agent_factory(spec: EvalSpec, args):
 
     if not args.model:
         raise SystemExit("--agent model needs --model PATH (a Hugging Face checkpoint directory)")
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model!r}: no config.json there; expected a Hugging Face checkpoint "
+                         "directory (e.g. a run's final_policy)")
+    tokenizer = AutoTokenizer.from_pretrained(args.model, **_tokenizer_options(args.model))
+    if not args.chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise SystemExit(f"the tokenizer in {args.model} has no chat template of its own (the trainer's offline "
+                         "Qwen2.5 tokenizer has none): pass --chat-template qwen2.5 (or llama3), the template the "
+                         "policy was trained with (config.chat_template)")
     model, params = load_pretrained(args.model)
     if args.backend == "jax":
         from agentfly_jax.rollout.backends import JaxSampler

@@ -12,12 +12,19 @@ Needs the `scienceworld` package and Java 17 (`pip install -e '.[envs]'`, `bash 
 
 from __future__ import annotations
 
-import random
 import re
 
 from environments.scienceworld.engine import DEFAULT_JVM_OPTIONS, Engine, EngineCrashedError
 from environments.scienceworld.env import ScienceWorldEnv, parse_task, score_to_reward
-from environments.scienceworld.tasks import build_tasks, choose_variations, describe, task_names, variations
+from environments.scienceworld.tasks import (
+    TaskRows,
+    build_tasks,
+    catalog,
+    choose_variations,
+    describe,
+    task_names,
+    variations,
+)
 from environments.scienceworld.tools import (
     POOL,
     scienceworld_reward,
@@ -137,7 +144,9 @@ __all__ = [
     "POOL_CONFIG",
     "SYSTEM_PROMPT",
     "ScienceWorldEnv",
+    "TaskRows",
     "build_tasks",
+    "catalog",
     "choose_variations",
     "describe",
     "eval_spec",
@@ -153,13 +162,22 @@ __all__ = [
 ]
 
 
-def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
+def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[TaskRows, TaskRows]:
     """Trainer task family "scienceworld": (train rows, held-out rows) from the package's train/test splits.
 
     task_cfg: num_train, num_eval, task_names ("all", "eval" or a list), eval_split ("test" or "dev").
+    The rows are `TaskRows`: a row's description is read from the simulator when the trainer first uses it
+    (≈ 0.15 s), so the run starts in seconds however many rows the config names.
     """
     names = task_cfg.get("task_names", "all")
-    names = None if names == "all" else list(EVAL_TASK_NAMES) if names == "eval" else list(names)
-    train = build_tasks("train", task_cfg["num_train"], seed, task_names=names)
-    held_out = build_tasks(task_cfg.get("eval_split", "test"), task_cfg["num_eval"], seed + 1, task_names=names)
-    return train, held_out
+    if names == "all":
+        names = None
+    elif names == "eval":
+        names = list(EVAL_TASK_NAMES)
+    else:
+        names = [names] if isinstance(names, str) else list(names)
+    eval_split = task_cfg.get("eval_split", "test")
+    train = build_tasks("train", task_cfg["num_train"], seed, task_names=names, lazy=True)
+    if not task_cfg["num_eval"]:
+        return train, TaskRows([], eval_split)
+    return train, build_tasks(eval_split, task_cfg["num_eval"], seed + 1, task_names=names, lazy=True)

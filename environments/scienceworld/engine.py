@@ -20,6 +20,13 @@ import time
 
 log = logging.getLogger(__name__)
 
+# py4j logs every gateway start and shutdown at INFO (with tracebacks when the package's own __del__ closes an
+# already closed gateway) and the package logs every task load at INFO: noise in a trainer's INFO log, one line
+# per chain. Left alone where the user configured these loggers.
+for _name in ("py4j", "scienceworld"):
+    if logging.getLogger(_name).level == logging.NOTSET:
+        logging.getLogger(_name).setLevel(logging.WARNING)
+
 #: JVM options of every engine: a 384 MB heap and the serial collector (one core per JVM is plenty).
 DEFAULT_JVM_OPTIONS = "-Xmx384m -XX:+UseSerialGC"
 

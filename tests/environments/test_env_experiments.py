@@ -1,16 +1,25 @@
 """The WebShop and search experiment configs wire up: task rows, tools and reward by import path, and the
 resource manager of `config.envs`; a ToolCallingAgent built from each config by the trainer's builders runs
-chains end to end (a scripted model writes the oracle's tool calls in Qwen2.5's format), reward 1.0."""
+chains end to end (a scripted model writes the oracle's tool calls in Qwen2.5's format), reward 1.0.
 
+The ALFWorld and ScienceWorld configs train: the CPU plumbing-check command of each config's docstring runs two
+GRPO steps of the tiny random model through `python -m agentfly_jax.train`, on the real engines' pools."""
+
+import ast
 import asyncio
 import importlib.util
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from agentfly_jax.envs import ResourceManager
 from agentfly_jax.trainer import builders
+from agentfly_jax.trainer.metrics import read_scalars
 from environments.search.evaluation import _answer_shown
 from environments.webshop import Goal
 from environments.webshop.oracle import OracleShopper
@@ -104,3 +113,62 @@ def test_search_reinforce_pp_config_runs_oracle_chains(qwen_tokenizer):  # noqa:
     trajectories = asyncio.run(main())
     assert sum(t.reward for t in trajectories) == 16, [t.reward_extras for t in trajectories]
     assert json.dumps(config.to_dict())  # the config serialises (the trainer writes config.json)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ALFWorld and ScienceWorld: the configs' CPU plumbing-check commands train for two GRPO steps end to end
+# ---------------------------------------------------------------------------------------------------------
+
+
+def plumbing_check_args(name: str) -> list[str]:
+    """The `--config...` arguments of the command marked "# CPU plumbing check" in experiments/<name>.py's
+    docstring, so the test runs exactly what the docstring tells users to run."""
+    doc = ast.get_docstring(ast.parse((ROOT / "experiments" / f"{name}.py").read_text()))
+    commands = doc.replace("\\\n", " ").splitlines()
+    marked = [c for c in commands if "# CPU plumbing check" in c]
+    assert len(marked) == 1, f"experiments/{name}.py's docstring needs one command marked '# CPU plumbing check'"
+    argv = shlex.split(marked[0], comments=True)
+    assert argv[:5] == ["python", "-m", "agentfly_jax.train", "--config", f"experiments/{name}.py"], argv
+    return argv[3:]
+
+
+def run_train(args: list[str], workdir: Path) -> dict:
+    cmd = [sys.executable, "-m", "agentfly_jax.train", *args, f"--config.workdir={workdir}",
+           "--config.progress=False"]
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads((workdir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pool", [("alfworld_grpo", "alfworld"), ("scienceworld_grpo", "scienceworld")])
+def test_plumbing_check_trains_two_grpo_steps_on_the_env_pool(name, pool, tmp_path):
+    pytest.importorskip(pool, reason="needs the envs extra: pip install -e '.[envs]'")
+    args = plumbing_check_args(name)
+    steps, chains = 2, 2  # what the docstring's command asks for (1 task x 2 chains a step)
+    assert f"--config.rl.steps={steps}" in args and "--config.rl.tasks_per_step=1" in args
+    summary = run_train(args, tmp_path)
+    assert summary["algorithm"] == "grpo" and summary["steps"] == steps and summary["backend"] == "jax"
+    assert 0.0 <= summary["success_before"] <= 1.0 and 0.0 <= summary["success_after"] <= 1.0
+    assert (Path(summary["final_policy"]) / "model.safetensors").is_file()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["task"]["kind"] == pool and list(config["envs"]) == [pool]
+
+    scalars = read_scalars(str(tmp_path / "tensorboard"))
+    expected = ["reward/mean", "success/rate", "rollout/tool_calls_mean", "rollout/turns_mean",
+                "rollout/envs_acquired", "rollout/envs_in_use_peak", "rollout/chain_errors",
+                "rollout/reward_failures", "policy/grad_norm", "policy/entropy", "time/rollout_s",
+                "time/update_s", "eval/success"]
+    missing = [tag for tag in expected if tag not in scalars]
+    assert not missing, f"TensorBoard lacks {missing}"
+    assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
+    assert [s for s, _ in scalars["eval/success"]] == [0, 2]  # before and after training, on held-out rows
+    # The env pool served every chain: each took an environment (reset with its task's game / variation) and
+    # was scored by the environment-backed reward without failures.
+    assert [v for _, v in scalars["rollout/envs_acquired"]] == [chains] * steps
+    assert all(1 <= v <= chains for _, v in scalars["rollout/envs_in_use_peak"])
+    assert all(v == 0 for _, v in scalars["rollout/chain_errors"] + scalars["rollout/reward_failures"])
+    assert all(v >= 0 for _, v in scalars["rollout/tool_calls_mean"])
+    assert all(0.0 <= v <= 1.0 for _, v in scalars["reward/mean"])

@@ -65,6 +65,27 @@ def test_catalog_splits_and_rows_are_deterministic():
         sw.build_tasks("validation", 1)
 
 
+def test_trainer_rows_are_lazy():
+    """The trainer's 600 train rows cost no simulator load until a row is used; rows equal the eager ones."""
+    from environments.scienceworld import train_eval_tasks
+
+    before = sw.describe.cache_info()
+    train, held_out = train_eval_tasks({"num_train": 600, "num_eval": 60, "task_names": "all"}, seed=0)
+    assert isinstance(train, sw.TaskRows) and len(train) == 600 and len(held_out) == 60
+    assert sw.describe.cache_info().misses == before.misses  # nothing described yet
+    row = train[599]
+    assert row["split"] == "train" and row["variation"] in sw.variations(row["task_name"], "train")
+    assert row["question"].startswith("Your task is")
+    assert row["task_id"] == f"{row['task_name']}/{row['variation']}"
+    assert train[599] == row and train[599] is not row  # a fresh dict each time, same content
+    assert held_out[:2] == sw.build_tasks("test", 2, seed=1)  # the eager rows (a prefix: same order)
+    assert len(set(train.pairs)) == 600 and not set(train.pairs) & set(held_out.pairs)
+    empty = train_eval_tasks({"num_train": 4, "num_eval": 0, "task_names": "eval"}, seed=0)[1]
+    assert len(empty) == 0 and empty[:5] == []
+    with pytest.raises(IndexError):
+        train[600]
+
+
 def test_env_interface_invalid_action_and_done(env, gold_rows):
     row = gold_rows[0]
 
