@@ -165,7 +165,8 @@ __all__ = [
 def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[TaskRows, TaskRows]:
     """Trainer task family "scienceworld": (train rows, held-out rows) from the package's train/test splits.
 
-    task_cfg: num_train, num_eval, task_names ("all", "eval" or a list), eval_split ("test" or "dev").
+    task_cfg: num_train, num_eval, task_names ("all", "eval", comma-separated names such as "boil,melt" — what
+    `--config.task.task_names=...` can set — or a list), eval_split ("test" or "dev").
     The rows are `TaskRows`: a row's description is read from the simulator when the trainer first uses it
     (≈ 0.15 s), so the run starts in seconds however many rows the config names.
     """
@@ -175,7 +176,7 @@ def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[TaskRows, TaskRows]:
     elif names == "eval":
         names = list(EVAL_TASK_NAMES)
     else:
-        names = [names] if isinstance(names, str) else list(names)
+        names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
     eval_split = task_cfg.get("eval_split", "test")
     train = build_tasks("train", task_cfg["num_train"], seed, task_names=names, lazy=True)
     if not task_cfg["num_eval"]:

@@ -116,8 +116,58 @@ def test_search_reinforce_pp_config_runs_oracle_chains(qwen_tokenizer):  # noqa:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ALFWorld and ScienceWorld: the configs' CPU plumbing-check commands train for two GRPO steps end to end
+# ALFWorld and ScienceWorld: the ReAct agent each config builds plays expert plans through its tools and pool,
+# and the configs' CPU plumbing-check commands train for two GRPO steps end to end
 # ---------------------------------------------------------------------------------------------------------
+
+
+def _expert_plan(pool: str, row: dict) -> list[str]:
+    if pool == "alfworld":
+        return row["expert_plan"]
+    from environments.scienceworld import describe
+
+    return list(describe(row["task_name"], row["variation"], True)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, pool", [("alfworld_grpo", "alfworld"), ("scienceworld_grpo", "scienceworld")])
+def test_react_config_plays_expert_plans_through_its_tools_and_pool(name, pool, qwen_tokenizer):  # noqa: F811
+    pytest.importorskip(pool, reason="needs the envs extra: pip install -e '.[envs]'")
+    from environments.evaluation import render_react_turn
+
+    config = load_config(name)
+    config.task.num_train, config.task.num_eval = 4, 2
+    if pool == "scienceworld":  # two tasks with short gold paths (the held-out rows take one of each)
+        config.task.task_names = "lifespan-longest-lived,find-plant"
+    train, heldout = builders.build_tasks(config)
+    assert len(train) == 4 and len(heldout) == 2
+    rows = heldout[:2]
+    plans = {row["question"]: _expert_plan(pool, row) for row in rows}
+    assert len(plans) == 2 and all(0 < len(p) < config.agent.max_turns for p in plans.values())
+    step_tool = f"{pool}_step"
+
+    def script(prompt):
+        plan = plans[prompt.question]
+        if prompt.turn < len(plan):
+            call = {"name": step_tool, "arguments": {"action": plan[prompt.turn]}}
+            return render_react_turn(call, None, prompt.turn)
+        return render_react_turn(None, "Done.", prompt.turn)
+
+    backend = FakeScriptedBackend(qwen_tokenizer, script)
+    agent = builders.build_agent(config, backend, qwen_tokenizer)
+    assert isinstance(agent.env_provider, ResourceManager) and agent.env_provider.pool_names == [pool]
+    assert step_tool in agent.tools and agent.reward_fn.name == f"{pool}_reward"
+
+    async def main():
+        try:
+            return await agent.run(rows, num_chains=1, progress=False)
+        finally:
+            await agent.env_provider.close()
+
+    trajectories = asyncio.run(main())
+    assert [t.reward for t in trajectories] == [1.0, 1.0], [t.reward_extras for t in trajectories]
+    assert [t.tool_calls for t in trajectories] == [len(plans[row["question"]]) for row in rows]
+    assert all(t.finish_reason == "stop" and not t.metrics.get("tool_errors") for t in trajectories)
 
 
 def plumbing_check_args(name: str) -> list[str]:
