@@ -88,5 +88,6 @@ def get_config(arg: str | None = None):
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
     c.sharding_rules = ()
     c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=2))
-    c.eval = ml_collections.ConfigDict(dict(every=20, num_tasks=64, num_chains=1, temperature=1.0, greedy=True))
+    c.eval = ml_collections.ConfigDict(dict(every=20, num_tasks=64, num_chains=1, temperature=0.0,
+                                            top_p=1.0, sampled_chains=1))
     return c

@@ -178,17 +178,14 @@ def _encoded_to_arrays(encoded, buckets):
 
 # ========================================================================================== evaluation
 def evaluate(run: Run, step: int) -> dict:
-    """Success on held-out tasks: the headline pass samples `eval.num_chains` chains per task at
-    (`eval.temperature`, `eval.top_p`); `eval.full_sampling` adds plain sampling at temperature 1 with top_p 1
-    (the training distribution, logged as eval/*_full) and `eval.greedy` greedy decoding, one chain per task
-    (eval/*_greedy)."""
+    """Success on held-out tasks: the headline pass decodes at (`eval.temperature`, `eval.top_p`; temperature 0
+    is greedy) with `eval.num_chains` chains per task; `eval.sampled_chains` > 0 adds plain sampling at
+    temperature 1 (the training distribution, logged as eval/*_sampled) with that many chains per task."""
     ev = run.config.eval
     tasks = run.eval_tasks[:ev.num_tasks]
     result = _eval_pass(run, step, tasks, ev.temperature, ev.get("top_p", 1.0), ev.num_chains, "")
-    if ev.get("full_sampling", False):
-        result.update(_eval_pass(run, step, tasks, 1.0, 1.0, ev.num_chains, "_full"))
-    if ev.get("greedy", False):
-        result.update(_eval_pass(run, step, tasks, 0.0, 1.0, 1, "_greedy"))
+    if ev.get("sampled_chains", 0):
+        result.update(_eval_pass(run, step, tasks, 1.0, 1.0, ev.sampled_chains, "_sampled"))
     run.writer.scalars(step, result)
     return result
 
@@ -372,10 +369,8 @@ def train(config, workdir: str | None = None) -> dict:
         run.tokenizer.save_pretrained(final_dir)
         summary = {"algorithm": config.algorithm, "success_before": before.get("eval/success"),
                    "success_after": after.get("eval/success"),
-                   "success_before_full_sampling": before.get("eval/success_full"),
-                   "success_after_full_sampling": after.get("eval/success_full"),
-                   "success_before_greedy": before.get("eval/success_greedy"),
-                   "success_after_greedy": after.get("eval/success_greedy"),
+                   "success_before_sampled": before.get("eval/success_sampled"),
+                   "success_after_sampled": after.get("eval/success_sampled"),
                    "eval_temperature": config.eval.temperature, "eval_top_p": config.eval.get("top_p", 1.0),
                    "steps": config.rl.steps, "wall_seconds": round(time.time() - t_start, 1),
                    "resumed_from": start_step if restored is not None else None, "sft": sft_metrics,

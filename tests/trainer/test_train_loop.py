@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # CI-sized quickstart: a few SFT and RL steps, small rollouts.
 SHORT = ["--config.sft.stages=((30, 1.0), (10, 0.4))", "--config.sft.optimizer.decay_steps=40",
          "--config.sft.batch_size=16", "--config.rl.tasks_per_step=4", "--config.rl.chains_per_task=4",
-         "--config.eval.num_tasks=8", "--config.eval.num_chains=2", "--config.progress=False"]
+         "--config.eval.num_tasks=8", "--config.eval.sampled_chains=2", "--config.progress=False"]
 
 EXPECTED_TAGS = [
     "reward/mean", "success/rate", "rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors",
