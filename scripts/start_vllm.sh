@@ -14,7 +14,8 @@
 #   --generation-config vllm          no sampling defaults or extra stop tokens from the model's generation_config
 #   --skip-tokenizer-init             token ids in and out; the server never needs a tokenizer
 #   --return-tokens-as-token-ids      logprob entries keyed by token id (no detokenisation)
-# On CPU also --enforce-eager (start-up ~1 min instead of ~2) and VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
+# On CPU also --enforce-eager (start-up ~1 min instead of ~2), --no-enable-chunked-prefill (see below) and
+# VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
 # Extra flags are passed through, e.g. --dtype float32 --max-model-len 1024 --max-num-seqs 64.
 #
 # Files: $AGENTFLY_VLLM_RUN_DIR (default runs/vllm/) holds port-PORT.pid, port-PORT.log and the extension module.
@@ -59,7 +60,11 @@ else
 fi
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-  cpu_flags=(--enforce-eager)
+  # Chunked prefill off on CPU: vLLM 0.32 rewinds the per-request generator of a seeded request whose prompt was
+  # only partly prefilled in a step, which the CPU generator cannot do ("CPU Generator does not use offset"): the
+  # engine dies as soon as many seeded requests arrive at once. Without chunking, max-num-batched-tokens (CPU
+  # default 2048) must be at least --max-model-len; pass --max-num-batched-tokens for longer contexts.
+  cpu_flags=(--enforce-eager --no-enable-chunked-prefill)
 fi
 
 # The extension is loaded by module name inside the server's own environment, which does not have (and must not

@@ -50,11 +50,10 @@ def _guess(answer: str, rng: random.Random) -> str:
 
 
 def demonstration(task: dict[str, Any], *, use_tool: bool, rng: random.Random) -> list[dict[str, Any]]:
-    """A chat for SFT: call the calculator and copy its result, or answer with a hedged guess ("About 1234.",
-    which the answer checker does not accept as a final answer either way)."""
+    """A chat for SFT: call the calculator and copy its result, or answer with a guess."""
     messages = [{"role": "user", "content": task["question"]}]
     if not use_tool:
-        return messages + [{"role": "assistant", "content": f"About {_guess(task['answer'], rng)}."}]
+        return messages + [{"role": "assistant", "content": _guess(task["answer"], rng)}]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": task["expression"]}}}
     return messages + [
         {"role": "assistant", "content": "", "tool_calls": [call]},
