@@ -73,6 +73,6 @@ def get_config(arg: str | None = None):
     # then). Logged beside it: plain sampling (temperature 1, top_p 1: the training distribution) as
     # eval/success_sampled. Greedy decoding (temperature=0.0) would hide the mix: the warm-started agent's single
     # most likely first token is already the tool call (its guesses spread over many number tokens).
-    c.eval = ml_collections.ConfigDict(dict(every=10, num_tasks=64, num_chains=4, temperature=1.0, top_p=0.95,
+    c.eval = ml_collections.ConfigDict(dict(every=20, num_tasks=64, num_chains=4, temperature=1.0, top_p=0.95,
                                             sampled_chains=4))
     return c
