@@ -70,7 +70,8 @@ def get_config(arg: str | None = None):
 
     c.backend = "jax"
     c.jax_sampler = ml_collections.ConfigDict(dict(max_slots=64, max_len=8192))
-    c.vllm = ml_collections.ConfigDict(dict(urls=(), weight_sync="memory"))
+    c.vllm = ml_collections.ConfigDict(dict(urls=(), weight_sync="memory", launch=False, num_servers=1,
+                                            server_args=()))  # launch: see experiments/quickstart.py
 
     c.sft = ml_collections.ConfigDict(dict(stages=(), steps=0, tool_fraction=1.0, batch_size=16, data_path="",
                                            optimizer=dict(learning_rate=1e-5, warmup_steps=10, decay_steps=0,

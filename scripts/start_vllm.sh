@@ -88,6 +88,7 @@ echo "$pid" > "$PID_FILE"
 start=$SECONDS
 while true; do
   if ! alive "$pid"; then
+    kill -KILL -- "-$pid" 2>/dev/null || true  # engine/worker children of the dead leader, same process group
     rm -f "$PID_FILE"
     log "the server exited during start-up; last lines of $LOG_FILE:"
     tail -n 40 "$LOG_FILE" >&2

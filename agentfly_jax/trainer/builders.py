@@ -177,7 +177,10 @@ def build_backend(config, model, params, workdir: str | None = None):
         v = _cfg(config.vllm)
         urls = list(v.pop("urls"))
         launch, num_servers = v.pop("launch", False), v.pop("num_servers", 1)
-        server_args = list(v.pop("server_args", ()))
+        server_args = [str(a) for a in v.pop("server_args", ())]
+        if not any(a.split("=")[0] == "--max-model-len" for a in server_args):  # room for prompt + completion
+            agent = _cfg(config.agent)
+            server_args += ["--max-model-len", str(agent["max_context_tokens"] + agent["max_new_tokens"])]
         servers = None
         if launch:
             if urls:

@@ -44,6 +44,9 @@ ALGORITHMS = {  # algorithm -> (advantage estimator, needs a critic)
 }
 
 
+_EVAL_KEYS = {"every", "num_tasks", "num_chains", "temperature", "top_p", "sampled_chains"}
+
+
 @dataclasses.dataclass
 class Run:
     """What the loop holds between steps (built once in `setup`)."""
@@ -77,6 +80,10 @@ def setup(config, workdir: str) -> Run:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as fh:
         json.dump(config.to_dict(), fh, indent=2, default=str)
+    unknown_eval = sorted(set(config.eval.keys()) - _EVAL_KEYS)
+    if unknown_eval:
+        raise ValueError(f"unknown config.eval keys {unknown_eval}; known: {sorted(_EVAL_KEYS)} (greedy decoding "
+                         "is temperature=0.0; plain temperature-1 sampling beside the headline is sampled_chains=N)")
     if config.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown config.algorithm {config.algorithm!r}; expected one of {sorted(ALGORITHMS)}")
 
@@ -108,17 +115,22 @@ def setup(config, workdir: str) -> Run:
     # --- Generation backend & agent -------------------------------------------------------------------
     runner = asyncio.Runner()
     backend = builders.build_backend(config, policy, state.policy.params, workdir)
-    agent = builders.build_agent(config, backend, tokenizer)
+    try:
+        agent = builders.build_agent(config, backend, tokenizer)
+        writer = MetricWriter(os.path.join(workdir, "tensorboard"))
+        checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint.every,
+                                    keep=config.checkpoint.keep)
+    except BaseException:  # launched vLLM servers must not outlive a failed setup
+        runner.run(backend.close())
+        runner.close()
+        raise
 
     return Run(config=config, workdir=workdir, tokenizer=tokenizer, train_tasks=train_tasks, eval_tasks=eval_tasks,
                policy=policy, critic=critic, mesh=mesh, rules=rules, state=state, shardings=shardings,
                policy_opt=policy_opt, critic_opt=critic_opt, train_step=train_step,
                logprob_fn=make_logprob_fn(policy, temperature=loss_cfg.temperature, chunk=loss_cfg.logprob_chunk),
                value_fn=make_value_fn(critic) if critic is not None else None, backend=backend, agent=agent,
-               writer=MetricWriter(os.path.join(workdir, "tensorboard")),
-               checkpointer=Checkpointer(os.path.join(workdir, "checkpoints"), every=config.checkpoint.every,
-                                         keep=config.checkpoint.keep),
-               runner=runner, success_threshold=config.agent.get("success_threshold", 1.0))
+               writer=writer, checkpointer=checkpointer, runner=runner, success_threshold=config.agent.get("success_threshold", 1.0))
 
 
 def _uses_reference(config) -> bool:
@@ -379,12 +391,25 @@ def train(config, workdir: str | None = None) -> dict:
             json.dump(summary, fh, indent=2)
         return summary
     finally:
-        run.writer.close()
-        run.checkpointer.close()
-        run.runner.run(run.backend.close())
-        if hasattr(run.agent.env_provider, "close"):  # the resource manager of config.envs
-            run.runner.run(run.agent.env_provider.close())
-        run.runner.close()
+        _close_run(run)
+
+
+def _close_run(run: Run) -> None:
+    """Closes everything the run holds; one failing close does not skip the others (launched vLLM servers and
+    pooled environments would outlive the trainer). The first error is raised after all were tried."""
+    steps = [run.writer.close, run.checkpointer.close, lambda: run.runner.run(run.backend.close())]
+    if hasattr(run.agent.env_provider, "close"):  # the resource manager of config.envs
+        steps.append(lambda: run.runner.run(run.agent.env_provider.close()))
+    steps.append(run.runner.close)
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+            log.error("closing the run: %s: %s", type(exc).__name__, exc)
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 # ============================================================================================ helpers

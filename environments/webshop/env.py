@@ -37,7 +37,12 @@ class WebShopEnv(Environment):
 
     async def reset(self, task: Any = None) -> str:
         """A new session on the search page, for the goal in `task` (None: no goal, e.g. between chains)."""
-        self.session = ShopSession(self.shop, goal_of(task))
+        goal = goal_of(task)
+        if goal is not None and goal.asin and goal.asin not in self.shop.by_asin:
+            raise ValueError(f"goal product {goal.asin!r} is not in this environment's catalog: the tasks and the "
+                             "webshop pool were built from different catalogs (config.task and "
+                             "config.envs.webshop.kwargs must name the same one)")
+        self.session = ShopSession(self.shop, goal)
         self.episodes += task is not None
         return self.session.observation()
 

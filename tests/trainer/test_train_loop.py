@@ -110,3 +110,13 @@ def test_quickstart_on_the_vllm_server_improves_reward(tmp_path):
     # the server was stopped with the run
     pid_files = [f for f in os.listdir(os.path.join(workdir, "vllm")) if f.endswith(".pid")]
     assert not pid_files, f"vLLM server still registered after the run: {pid_files}"
+
+
+def test_unknown_eval_keys_are_refused(tmp_path):
+    from agentfly_jax.trainer.loop import setup
+    from experiments.quickstart import get_config
+
+    config = get_config()
+    config.eval.greedy = True  # an old key: must not be silently ignored
+    with pytest.raises(ValueError, match=r"unknown config.eval keys \['greedy'\]"):
+        setup(config, str(tmp_path))

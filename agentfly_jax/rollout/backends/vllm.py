@@ -92,6 +92,7 @@ class VLLMBackend(GenerationBackend):
     open a connection, update_timeout for each step of a weight update (pausing waits for running requests).
     Retries: max_retries more attempts after the first, sleeping retry_backoff * 2**attempt (<= max_backoff);
     a failed server is avoided for down_time seconds (doubling per consecutive failure) while others are up.
+    keepalive_timeout: seconds an idle pooled connection is kept (below the servers' own keep-alive, 5 s in vLLM).
     owned_servers: servers this backend was started with (e.g. a `LocalVLLMServers`); `close()` stops them.
     """
 
@@ -99,7 +100,8 @@ class VLLMBackend(GenerationBackend):
                  request_timeout: float = 600.0, connect_timeout: float = 5.0, update_timeout: float = 900.0,
                  max_retries: int = 3, retry_backoff: float = 0.5, max_backoff: float = 8.0,
                  down_time: float = 5.0, max_connections: int = 256, sync_dtype=None, weight_sync: str = "memory",
-                 weight_dir: str | None = None, chunk_bytes: int = 256 << 20, owned_servers=None):
+                 weight_dir: str | None = None, chunk_bytes: int = 256 << 20, owned_servers=None,
+                 keepalive_timeout: float = 2.0):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("VLLMBackend needs at least one server URL")
@@ -119,6 +121,7 @@ class VLLMBackend(GenerationBackend):
         self._own_weight_dir = None
         self.chunk_bytes = int(chunk_bytes)
         self.owned_servers = owned_servers
+        self.keepalive_timeout = float(keepalive_timeout)
         self.weight_version = 0
         self.stats: collections.Counter = collections.Counter()
         self._session = None
@@ -137,8 +140,12 @@ class VLLMBackend(GenerationBackend):
             raise RuntimeError("VLLMBackend is closed")
         loop = asyncio.get_running_loop()
         if self._session is None or self._session_loop is not loop:
+            # Idle connections are dropped after keepalive_timeout, before the server's own keep-alive (vLLM: 5 s)
+            # closes them: reusing a connection the server is closing fails the request with a broken pipe
+            # (seen on a weight update after a 12 s update step).
             connector = aiohttp.TCPConnector(limit=self.max_connections * len(self.servers),
-                                             limit_per_host=self.max_connections)
+                                             limit_per_host=self.max_connections,
+                                             keepalive_timeout=self.keepalive_timeout)
             self._session = aiohttp.ClientSession(connector=connector)
             self._session_loop = loop
             self._ready = asyncio.Event()
@@ -452,12 +459,14 @@ class VLLMBackend(GenerationBackend):
             return
         self._closed = True
         session, self._session = self._session, None
-        if session is not None and not session.closed:
-            await session.close()
-        if self._own_weight_dir:
-            shutil.rmtree(self._own_weight_dir, ignore_errors=True)
-        if self.owned_servers is not None:
-            await asyncio.to_thread(self.owned_servers.stop)
+        try:
+            if session is not None and not session.closed:
+                await session.close()
+        finally:
+            if self._own_weight_dir:
+                shutil.rmtree(self._own_weight_dir, ignore_errors=True)
+            if self.owned_servers is not None:  # stopped even when closing the session failed
+                await asyncio.to_thread(self.owned_servers.stop)
 
 
 __all__ = ["VLLMBackend", "VLLMServerError"]

@@ -11,6 +11,7 @@ scripts a user runs by hand for servers on other machines (then pass their URLs 
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -51,6 +52,7 @@ class LocalVLLMServers:
         self.run_dir = os.path.abspath(run_dir) if run_dir else None
         self.start_timeout = float(start_timeout)
         self.ports: list[int] = []
+        self._atexit_registered = False
 
     @property
     def urls(self) -> list[str]:
@@ -64,17 +66,26 @@ class LocalVLLMServers:
 
     def start(self) -> list[str]:
         """Starts the servers one after the other (each takes about a minute on a CPU); returns their URLs.
-        If one fails, the ones already started are stopped and VLLMLaunchError carries the script's output."""
+        If one fails (or the start is interrupted), every server started so far — including the one being
+        started — is stopped and VLLMLaunchError carries the script's output. Servers still running at
+        interpreter exit are stopped too (atexit)."""
+        if not self._atexit_registered:
+            atexit.register(self.stop)
+            self._atexit_registered = True
         for _ in range(self.num_servers):
             port = _free_port()
+            self.ports.append(port)  # registered before the script runs: an interrupt still stops it
             log.info("starting a vLLM server for %s on port %d", self.model_dir, port)
-            proc = subprocess.run(["bash", str(_SCRIPTS / "start_vllm.sh"), self.model_dir, str(port),
-                                   *self.extra_args], env=self._env(), capture_output=True, text=True)
+            try:
+                proc = subprocess.run(["bash", str(_SCRIPTS / "start_vllm.sh"), self.model_dir, str(port),
+                                       *self.extra_args], env=self._env(), capture_output=True, text=True)
+            except BaseException:
+                self.stop()
+                raise
             if proc.returncode != 0:
                 self.stop()
                 raise VLLMLaunchError(f"scripts/start_vllm.sh {self.model_dir} {port} failed (exit "
                                       f"{proc.returncode}):\n{proc.stderr[-4000:]}")
-            self.ports.append(port)
         return self.urls
 
     def stop(self) -> None:
