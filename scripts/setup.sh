@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything agentfly-jax needs on a fresh machine, idempotently: a second run only checks.
 #   - .venv/ in the repo root (reused when present) with the package (editable) and its test and envs extras.
-# Re-installs only when setup.cfg or scripts/constraints.txt changed since the last successful run.
+# Re-installs only when pyproject.toml, setup.cfg or scripts/constraints.txt changed since the last good run.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 stamp="$VENV/.agentfly_jax_installed"
-want="$(cat setup.cfg scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.cfg scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   log "python packages up to date"
 else

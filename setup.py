@@ -1,4 +1,0 @@
-# Kept for editable installs with older pip; all metadata lives in setup.cfg.
-from setuptools import setup
-
-setup()
