@@ -1,14 +1,5 @@
-"""Rollout side: trajectories, chat templates with action masks, tool-call parsers."""
+"""Rollout side: trajectories, chat templates with action masks, agents and the multi-chain runner."""
 
-from agentfly_jax.rollout.parsers import (
-    ParseError,
-    ParseResult,
-    ToolCall,
-    parse_hermes_tool_calls,
-    parse_python_code_blocks,
-    parse_react,
-    parse_tool_calls,
-)
 from agentfly_jax.rollout.templates import (
     ConversationEncoder,
     Encoded,
@@ -22,24 +13,17 @@ from agentfly_jax.rollout.trajectory import ToolCallRecord, Trajectory, trajecto
 __all__ = [
     "ConversationEncoder",
     "Encoded",
-    "ParseError",
-    "ParseResult",
     "TemplateNotAppendOnlyError",
     "TextChunk",
-    "ToolCall",
     "ToolCallRecord",
     "Trajectory",
     "encode_conversation",
-    "parse_hermes_tool_calls",
-    "parse_python_code_blocks",
-    "parse_react",
-    "parse_tool_calls",
     "render_conversation",
     "trajectories_to_batch",
 ]
 
-# Agents, the rollout runner and dataset loading use `agentfly_jax.tools`, which itself imports this
-# package's parsers; they load on first access so that importing either package first works.
+# Agents reach the generation backends, which import JAX (about a second); they, the rollout runner and
+# dataset loading load on first access so that importing templates or trajectories stays light.
 _LAZY_EXPORTS = {
     "BaseAgent": "agentfly_jax.rollout.agents",
     "CodeAgent": "agentfly_jax.rollout.agents",

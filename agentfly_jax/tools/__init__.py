@@ -1,4 +1,4 @@
-"""Tools an agent can call: the `@tool` decorator, running calls safely, and built-in tools."""
+"""Tools an agent can call: the `@tool` decorator, the tool-call format, running calls, built-in tools."""
 
 from agentfly_jax.tools.calculator import calculator, evaluate_arithmetic
 from agentfly_jax.tools.context import EnvironmentProvider, EnvironmentUnavailableError, ToolContext
@@ -12,6 +12,15 @@ from agentfly_jax.tools.execute import (
     execute_tool_calls,
     parse_error_result,
 )
+from agentfly_jax.tools.parsers import (
+    ParseError,
+    ParseResult,
+    ToolCall,
+    parse_hermes_tool_calls,
+    parse_python_code_blocks,
+    parse_react,
+    parse_tool_calls,
+)
 from agentfly_jax.tools.schema import ToolDefinitionError, parse_docstring, validate_arguments
 
 __all__ = [
@@ -21,7 +30,10 @@ __all__ = [
     "TOOL_REGISTRY",
     "EnvironmentProvider",
     "EnvironmentUnavailableError",
+    "ParseError",
+    "ParseResult",
     "Tool",
+    "ToolCall",
     "ToolContext",
     "ToolDefinitionError",
     "ToolResult",
@@ -33,6 +45,10 @@ __all__ = [
     "get_tool",
     "parse_docstring",
     "parse_error_result",
+    "parse_hermes_tool_calls",
+    "parse_python_code_blocks",
+    "parse_react",
+    "parse_tool_calls",
     "tool",
     "validate_arguments",
 ]

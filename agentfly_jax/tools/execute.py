@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agentfly_jax.rollout.parsers import ParseError, ToolCall, parse_hermes_tool_calls
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.decorator import ENV_PARAMETER, TASK_PARAMETER, Tool, as_tool_table
+from agentfly_jax.tools.parsers import ParseError, ToolCall, parse_hermes_tool_calls
 from agentfly_jax.tools.schema import validate_arguments
 
 #: Every way a tool call can fail; each ToolResult with ok=False carries one of these.

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agentfly_jax.rollout.parsers import ParseError, ToolCall, parse_react
+from agentfly_jax.tools.parsers import ParseError, ToolCall, parse_react
 from agentfly_jax.tools import (
     DEFAULT_MAX_OBSERVATION_CHARS,
     TOOL_ERROR_KINDS,

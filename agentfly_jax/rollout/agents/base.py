@@ -16,12 +16,12 @@ from typing import Any
 
 from agentfly_jax.rewards.decorator import Reward, as_reward
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.rollout.parsers import ParseResult
 from agentfly_jax.rollout.templates import resolve_template
 from agentfly_jax.rollout.trajectory import Trajectory
 from agentfly_jax.tools.context import EnvironmentProvider
 from agentfly_jax.tools.decorator import Tool, as_tool_table
 from agentfly_jax.tools.execute import ToolResult
+from agentfly_jax.tools.parsers import ParseResult
 
 Message = dict[str, Any]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentfly_jax.rollout.agents.base import BaseAgent
-from agentfly_jax.rollout.parsers import CODE_INTERPRETER_TOOL, ParseResult, parse_python_code_blocks
+from agentfly_jax.tools.parsers import CODE_INTERPRETER_TOOL, ParseResult, parse_python_code_blocks
 
 DEFAULT_CODE_INSTRUCTIONS = (
     "Solve the task. To run Python, write it in a ```python fenced block; its output comes back to you. "

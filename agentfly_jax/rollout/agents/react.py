@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentfly_jax.rollout.agents.base import BaseAgent, Message
-from agentfly_jax.rollout.parsers import ParseResult, parse_react
 from agentfly_jax.tools.execute import ToolResult
+from agentfly_jax.tools.parsers import ParseResult, parse_react
 
 DEFAULT_REACT_INSTRUCTIONS = "Answer the question. Think step by step and use the tools when they help."
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentfly_jax.rollout.agents.base import BaseAgent
-from agentfly_jax.rollout.parsers import ParseResult, parse_hermes_tool_calls
+from agentfly_jax.tools.parsers import ParseResult, parse_hermes_tool_calls
 
 
 class ToolCallingAgent(BaseAgent):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from agentfly_jax.rollout.parsers import (
+from agentfly_jax.tools.parsers import (
     CODE_INTERPRETER_TOOL,
     ParseResult,
     ToolCall,

@@ -1,4 +1,4 @@
-"""Tool-call parsers for what models write: Hermes/Qwen tags, ReAct, and fenced python code.
+"""The tool-call format: parsers for calls as models write them (Hermes/Qwen tags, ReAct, fenced python).
 
 Every parser takes the decoded assistant text and returns a `ParseResult`; malformed output becomes
 `ParseError` values in it (for the agent to show the model), never an exception.
