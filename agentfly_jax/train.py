@@ -1,7 +1,10 @@
-"""Entry point: `python -m agentfly_jax.train --config experiments/NAME.py [--config.key=value ...]`.
+"""Train an agent: `agentfly-train --config experiments/NAME.py[:ARG] [--config.key=value ...]`
+(the same as `python -m agentfly_jax.train ...`).
 
-Each experiment file's docstring holds its exact command. `--config.workdir` chooses where TensorBoard
-events, checkpoints and `summary.json` go; `--config.resume=True` continues from the last checkpoint there.
+Each experiment file's docstring holds its exact commands; `:cpu` picks an experiment's small variant that runs
+on a CPU in minutes. `--config.workdir` chooses where TensorBoard events, checkpoints and `summary.json` go;
+`--config.resume=True` continues from the last checkpoint there. A config key that is unknown, of the wrong
+type or out of range stops the run before any work, with one line naming it.
 """
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ import json
 import logging
 import sys
 
-from absl import app
+from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/*.py)",
+_CONFIG = config_flags.DEFINE_config_file("config", None, "experiment config file (experiments/*.py[:arg])",
                                           lock_config=True)
 
 
@@ -28,9 +31,15 @@ def main(argv) -> None:
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/quickstart.py")
-    from agentfly_jax.trainer.loop import train  # after flag parsing: keeps --help fast
+    from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
-    summary = train(config)
+    try:  # validated once, before the trainer imports JAX models or builds anything
+        typed = TrainConfig.build(config)
+    except ConfigError as e:
+        _die(str(e))
+    from agentfly_jax.trainer.loop import train  # after flag parsing and validation: keeps --help fast
+
+    summary = train(typed)
     print(json.dumps(summary, indent=2))
     if summary.get("success_after") is not None:
         print(f"\n{summary['algorithm']}: success {summary['success_before']:.2f} -> {summary['success_after']:.2f} "
@@ -38,5 +47,34 @@ def main(argv) -> None:
               f"tensorboard --logdir {summary['workdir']}/tensorboard")
 
 
+def _die(message: str) -> None:
+    print(f"agentfly-train: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with a config override that names an unknown key (or has a bad value) reported in
+    one line instead of ml-collections' traceback."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _die(str(e).splitlines()[0])
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        text = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
+        overrides = [a for a in argv[1:] if a.startswith("--config.")]
+        _die(f"bad --config override ({text}); overrides given: {' '.join(overrides) or 'none'}")
+    return argv
+
+
+def cli() -> None:
+    """The `agentfly-train` console script."""
+    # absl's --help lists the main module's flags (a console-script wrapper has none) and exits 1.
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
+    sys.modules["__main__"].__doc__ = __doc__
+    if any(a in ("--help", "-?", "--helpshort", "-h") for a in sys.argv[1:]):
+        app.usage(shorthelp=True, writeto_stdout=True, exitcode=0)
+    app.run(main, flags_parser=_parse_flags)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    cli()

@@ -19,15 +19,23 @@ from agentfly_jax.algorithms.logprobs import (
 from agentfly_jax.algorithms.losses import (
     AGGREGATION_MODES,
     aggregate_loss,
+    aggregation_weights,
     entropy_bonus,
     kl_k1,
     kl_k2,
     kl_k3,
     kl_penalty,
-    loss_denominator,
     ppo_policy_loss,
     truncated_is_weights,
     value_loss,
+)
+from agentfly_jax.algorithms.recipes import (
+    Recipe,
+    RecipeError,
+    ResolvedAlgorithm,
+    get_recipe,
+    recipe_names,
+    register_recipe,
 )
 from agentfly_jax.algorithms.registry import (
     advantage_estimator_names,
@@ -39,10 +47,17 @@ from agentfly_jax.algorithms.registry import (
 )
 
 __all__ = [
+    "Recipe",
+    "RecipeError",
+    "ResolvedAlgorithm",
+    "get_recipe",
+    "recipe_names",
+    "register_recipe",
     "AGGREGATION_MODES",
     "WHITEN_EPS",
     "advantage_estimator_names",
     "aggregate_loss",
+    "aggregation_weights",
     "as_float_mask",
     "compute_advantages",
     "entropy_bonus",
@@ -56,7 +71,6 @@ __all__ = [
     "kl_penalty",
     "last_action_token",
     "logprobs_from_logits",
-    "loss_denominator",
     "masked_whiten",
     "policy_loss_names",
     "ppo_policy_loss",

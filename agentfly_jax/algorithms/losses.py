@@ -26,46 +26,48 @@ def _check_mode(mode):
         raise ValueError(f"unknown loss aggregation mode '{mode}'; known: {', '.join(AGGREGATION_MODES)}")
 
 
-def loss_denominator(action_mask, mode="token-mean"):
-    """The normaliser `aggregate_loss` divides by: the action-token count ("token-mean") or the number of
-    sequences with at least one action token (the "seq-mean-*" modes). It is additive over micro-batches, so a
-    trainer can compute it once on the full batch and pass it as `denominator`; the micro-batch losses then
-    sum to the full-batch loss."""
-    _check_mode(mode)
-    mask = as_float_mask(action_mask)  # [B, T]
-    if mode == "token-mean":
-        return jnp.sum(mask)
-    return jnp.sum(jnp.max(mask, axis=1))
+def aggregation_weights(action_mask, mode="token-mean", *, norm_len=None, groups=None, num_groups=1):
+    """Per-token weights w [B, T] such that sum(w * per_token_loss) is the `mode` aggregate: the one
+    implementation of loss aggregation (every loss here, and the trainer, reduce through it).
 
-
-def _loss_numerator(per_token, mask, mode, norm_len):
-    masked = jnp.where(mask > 0, per_token, 0.0).astype(jnp.float32)  # [B, T]
-    if mode == "token-mean":
-        return jnp.sum(masked)
-    per_sequence = jnp.sum(masked, axis=1)  # [B]
-    if mode == "seq-mean-token-mean":
-        return jnp.sum(per_sequence / jnp.maximum(jnp.sum(mask, axis=1), 1.0))
-    horizon = mask.shape[1] if norm_len is None else norm_len
-    return jnp.sum(per_sequence) / horizon
-
-
-def aggregate_loss(per_token, action_mask, mode="token-mean", *, norm_len=None, denominator=None):
-    """Reduces a per-token loss [B, T] over action tokens to a scalar.
-
-    - "token-mean": sum over all action tokens / their count.
-    - "seq-mean-token-mean": each sequence's mean over its action tokens, averaged over the sequences that
-      have any.
-    - "seq-mean-token-sum-norm" (Dr.GRPO): each sequence's sum over its action tokens / a constant horizon
-      (`norm_len`, default T), averaged over the sequences that have any action token.
-    `denominator` replaces the local normaliser (see `loss_denominator`). No action tokens at all gives 0,
-    not nan.
+    - "token-mean": mask / (action tokens of the group).
+    - "seq-mean-token-mean": mask / (the sequence's action tokens * sequences of the group with any).
+    - "seq-mean-token-sum-norm" (Dr.GRPO): mask / (norm_len * sequences of the group with any), `norm_len` a
+      constant horizon (default T, the padded length).
+    `groups` [B] (ints in [0, num_groups)) aggregates each group separately, e.g. each PPO mini-batch of a
+    step's trajectories; by default the whole batch is one group. Being a plain weighted sum, the aggregate is
+    exact under sequence packing and gradient accumulation (micro-batch sums add up to the group's).
+    A group without action tokens weighs 0 everywhere (its aggregate is 0, not nan).
     """
     _check_mode(mode)
+    mask = as_float_mask(action_mask)  # [B, T]
+    groups = jnp.zeros(mask.shape[0], jnp.int32) if groups is None else jnp.asarray(groups, jnp.int32)
+
+    def per_group_total(x):  # [B] -> for each sequence, the total over its group
+        return jax.ops.segment_sum(x, groups, num_segments=num_groups)[groups]
+
+    per_seq = jnp.sum(mask, axis=1)  # [B]
+    if mode == "token-mean":
+        denominator = per_group_total(per_seq)[:, None]
+    else:
+        n_seqs = per_group_total((per_seq > 0).astype(jnp.float32))
+        if mode == "seq-mean-token-mean":
+            denominator = (jnp.maximum(per_seq, 1.0) * n_seqs)[:, None]
+        else:
+            horizon = mask.shape[1] if norm_len is None else norm_len
+            denominator = (horizon * n_seqs)[:, None]
+    return mask / jnp.maximum(denominator, 1e-30)
+
+
+def aggregate_loss(per_token, action_mask, mode="token-mean", *, norm_len=None, weights=None):
+    """Reduces a per-token loss [B, T] over action tokens to a scalar: sum(weights * per_token), with
+    `weights` from `aggregation_weights(action_mask, mode, norm_len=...)` unless given (a trainer passes the
+    weights of the whole mini-batch, so micro-batch losses add up to the mini-batch's). No action tokens at
+    all gives 0, not nan."""
     mask = as_float_mask(action_mask)
-    numerator = _loss_numerator(per_token, mask, mode, norm_len)
-    if denominator is None:
-        denominator = loss_denominator(mask, mode)
-    return numerator / jnp.where(denominator > 0, denominator, 1.0)
+    if weights is None:
+        weights = aggregation_weights(mask, mode, norm_len=norm_len)
+    return jnp.sum(jnp.where(mask > 0, per_token * weights, 0.0).astype(jnp.float32))
 
 
 def _masked_mean(x, mask):
@@ -91,14 +93,14 @@ def ppo_policy_loss(
     agg="token-mean",
     is_weights=None,
     norm_len=None,
-    denominator=None,
+    weights=None,
 ):
     """PPO clipped surrogate -> (loss, metrics), with ratio = exp(logprobs - old_logprobs) per token [B, T].
 
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high defaults to clip_eps; larger
     values are DAPO's clip-higher). With `dual_clip` (> 1), a negative-advantage token's loss is capped at
     dual_clip * (-A). `is_weights` [B, T] (e.g. `truncated_is_weights`) multiply the per-token loss, without
-    gradient, before aggregation by `agg` (see `aggregate_loss`, which also takes `norm_len`, `denominator`).
+    gradient, before aggregation by `agg` (see `aggregate_loss`, which also takes `norm_len`, `weights`).
 
     Metrics: clip_fraction (action tokens where the clipped term is the active one, i.e. its gradient is
     cut), dual_clip_fraction, approx_kl (mean over action tokens of the k3 estimator (r - 1) - log r of
@@ -125,7 +127,7 @@ def ppo_policy_loss(
     if is_weights is not None:
         per_token = per_token * jax.lax.stop_gradient(is_weights)
 
-    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, denominator=denominator)
+    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights)
     metrics = {
         "clip_fraction": _masked_mean(clip_active, mask),
         "dual_clip_fraction": _masked_mean(dual_active, mask),
@@ -147,7 +149,7 @@ def value_loss(
     clip_eps=0.2,
     agg="token-mean",
     norm_len=None,
-    denominator=None,
+    weights=None,
 ):
     """Clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = old + clip(v - old, ±clip_eps)
     -> (loss, metrics); `clip_eps=None` gives the plain 0.5 * (v - R)^2.
@@ -168,7 +170,7 @@ def value_loss(
         clipped_values = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
         clipped = (clipped_values - returns) ** 2
         squared_error, clip_active = jnp.maximum(unclipped, clipped), clipped > unclipped
-    loss = aggregate_loss(0.5 * squared_error, mask, agg, norm_len=norm_len, denominator=denominator)
+    loss = aggregate_loss(0.5 * squared_error, mask, agg, norm_len=norm_len, weights=weights)
     metrics = {
         "value_clip_fraction": _masked_mean(clip_active, mask),
         "value_mean": _masked_mean(values, mask),
@@ -215,10 +217,10 @@ def kl_penalty(logprobs, ref_logprobs, kind="k3"):
     return _KL_ESTIMATORS[kind](logprobs, ref_logprobs)
 
 
-def entropy_bonus(entropy, action_mask, *, coef, agg="token-mean", norm_len=None, denominator=None):
+def entropy_bonus(entropy, action_mask, *, coef, agg="token-mean", norm_len=None, weights=None):
     """The term to ADD to the loss for an entropy bonus: -coef * entropy [B, T] aggregated over action
     tokens."""
-    return -coef * aggregate_loss(entropy, action_mask, agg, norm_len=norm_len, denominator=denominator)
+    return -coef * aggregate_loss(entropy, action_mask, agg, norm_len=norm_len, weights=weights)
 
 
 # ----------------------------------------------------------------------------------- importance sampling

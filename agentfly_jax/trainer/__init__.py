@@ -1,13 +1,14 @@
-"""Train state, batching, the jitted update step (and, later, the RL loop)."""
-from agentfly_jax.trainer.batching import (
-    PackedBatch,
-    build_update_batch,
+"""The trainer: typed config, the one batch path, train state, the jitted update and the RL loop."""
+from agentfly_jax.trainer.batch import (
+    PackedRows,
+    UpdateBatch,
+    assign_minibatches,
     choose_bucket,
     first_fit_decreasing,
-    loss_token_weights,
-    pack,
-    split_microbatches,
+    pack_step,
+    unpack_rows,
 )
+from agentfly_jax.trainer.config import ConfigError, TrainConfig, default_config
 from agentfly_jax.trainer.state import (
     ModelState,
     OptimizerConfig,
@@ -18,11 +19,10 @@ from agentfly_jax.trainer.state import (
     state_shardings,
 )
 from agentfly_jax.trainer.update import (
-    LossConfig,
     accumulate_gradients,
-    make_logprob_fn,
+    make_prepare_fn,
     make_sft_step,
     make_train_step,
-    make_value_fn,
+    take_minibatch,
     token_logprobs,
 )

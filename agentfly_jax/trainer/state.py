@@ -1,8 +1,7 @@
 """Train state (policy, optional critic, frozen reference) and the optax optimiser built from config."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import flax.struct
 import jax
@@ -11,36 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentfly_jax.models import sharding as shd
-
-
-def dataclass_from_mapping(cls, cfg: Mapping[str, Any] | None, what: str):
-    """`cls(**cfg)` with a clear error naming unknown keys (a misspelt config setting fails at start)."""
-    cfg = dict(cfg or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(cfg) - known
-    if unknown:
-        raise ValueError(f"unknown {what} settings {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**cfg)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW with global-norm clipping and a warmup + decay schedule."""
-
-    learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    decay_steps: int = 0  # 0: constant after warmup
-    schedule: str = "cosine"  # "cosine" | "linear" | "constant"
-    end_lr_ratio: float = 0.0  # final lr = learning_rate * end_lr_ratio (cosine/linear)
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0  # <= 0 disables clipping
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "OptimizerConfig":
-        return dataclass_from_mapping(cls, cfg, "optimizer")
+from agentfly_jax.trainer.config import OptimizerConfig
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:

@@ -1,44 +1,26 @@
-"""The jitted update step: policy (and critic) gradients accumulated over micro-batches, one optimiser step.
+"""The jitted functions of an RL step: `prepare` (old/reference logprobs, values, advantages and loss
+weights, in one pass on the device) and `train_step` (policy, and critic, gradients accumulated over
+micro-batches, one optimiser step per mini-batch), plus the SFT step.
 
-Inputs are packed rows (see `batching.py`) already split into micro-batches: every per-token array is
-`[M, R, L]` (M micro-batches of R rows of L tokens). Losses are weighted sums with the per-token
-`loss_weights` computed on the host for the whole mini-batch, so M micro-batches give exactly the gradient of
-one full batch, packed or not. Metrics are action-token means (or min/max) over the mini-batch.
+Inputs are `PackedRows` (see `batch.py`): every per-token array of a mini-batch is `[M, R, L]` (M
+micro-batches of R rows of L tokens). Losses are weighted sums with per-token `loss_weights` that
+`prepare` computed for each whole mini-batch (`algorithms.aggregation_weights`), so M micro-batches give
+exactly the gradient of one full mini-batch, packed or not. Metrics are action-token means (or min/max) over
+the mini-batch. The algorithm's knobs come from its recipe (`algorithms.recipes.ResolvedAlgorithm`).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from agentfly_jax import algorithms
+from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.models import CausalLM
-from agentfly_jax.trainer.state import ModelState, TrainState, dataclass_from_mapping
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """Numbers of the RL objective; the experiment config fills them."""
-
-    policy_loss: str = "ppo"
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    dual_clip: float | None = None
-    kl_coef: float = 0.0  # KL penalty against the reference policy in the loss (0: off)
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    temperature: float = 1.0  # the sampling temperature: logprobs are recomputed under it
-    logprob_chunk: int | None = None  # positions per chunk for fp32 logits (None: whole sequence)
-    is_cap: float | None = None  # truncated importance weights trainer/sampler (None: off)
-    value_clip_eps: float | None = 0.2
-    value_coef: float = 1.0
-
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any] | None) -> "LossConfig":
-        return dataclass_from_mapping(cls, cfg, "loss")
+from agentfly_jax.trainer.batch import PackedRows, UpdateBatch
+from agentfly_jax.trainer.state import ModelState, TrainState
 
 
 def _shift_right(x):
@@ -46,80 +28,77 @@ def _shift_right(x):
     return jnp.pad(x, ((0, 0), (1, 0)))
 
 
-def token_logprobs(model: CausalLM, params, batch, *, temperature=1.0, chunk=None):
+def token_logprobs(model: CausalLM, params, rows: PackedRows, *, temperature=1.0, chunk=None):
     """(logprobs [R, L], entropy [R, L]) of each token given the tokens before it in its segment (fp32).
 
     Token 0 of a row and the first token of each packed segment get values that callers must mask out
     (they are never action tokens: a trajectory starts with its prompt).
     """
-    hidden = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"],
+    hidden = model.apply({"params": params}, rows.tokens, rows.positions, rows.segment_ids,
                          method=CausalLM.hidden_states)  # [R, L, E]
 
     def logits_fn(h):
         return model.apply({"params": params}, h, method=CausalLM.logits_from_hidden)
 
     logprobs, entropy = algorithms.token_logprobs_and_entropy(
-        hidden[:, :-1], batch["tokens"][:, 1:], logits_fn, temperature=temperature, chunk_size=chunk)
+        hidden[:, :-1], rows.tokens[:, 1:], logits_fn, temperature=temperature, chunk_size=chunk)
     return _shift_right(logprobs), _shift_right(entropy)
 
 
-def values_of(model, params, batch):
+def values_of(model, params, rows: PackedRows):
     """Critic values [R, L], token-aligned like `token_logprobs`: values[t] is the value of the state in which
     token t is chosen (the critic's output at position t - 1)."""
-    values = model.apply({"params": params}, batch["tokens"], batch["positions"], batch["segment_ids"])
+    values = model.apply({"params": params}, rows.tokens, rows.positions, rows.segment_ids)
     return _shift_right(values[:, :-1])
 
 
-def policy_loss(params, batch, model, cfg: LossConfig):
+def policy_loss(params, rows: PackedRows, model, alg: ResolvedAlgorithm):
     """(loss, metrics) on one micro-batch; the loss is sum(loss_weights * per-token terms)."""
-    mask = batch["action_mask"]  # [R, L]
+    mask = rows.action_mask  # [R, L]
     on_actions = mask > 0
-    token_weights = batch["loss_weights"]  # [R, L], aggregation over the whole mini-batch folded in
-    logprobs, entropy = token_logprobs(model, params, batch, temperature=cfg.temperature, chunk=cfg.logprob_chunk)
+    token_weights = rows.loss_weights  # [R, L], the recipe's aggregation over the whole mini-batch folded in
+    logprobs, entropy = token_logprobs(model, params, rows, temperature=alg.temperature, chunk=alg.logprob_chunk)
     metrics = {}
     pg_weights = token_weights
-    if cfg.is_cap is not None:
+    if alg.is_cap is not None:
         is_weights, is_metrics = algorithms.truncated_is_weights(
-            batch["old_logprobs"], batch["sampler_logprobs"], mask, cap=cfg.is_cap)
+            rows.old_logprobs, rows.sampler_logprobs, mask, cap=alg.is_cap)
         pg_weights = token_weights * is_weights
         metrics.update(is_metrics)
-    # agg="token-mean" with denominator 1 is a plain sum over action tokens; the weights carry the aggregation.
-    pg_loss, pg_metrics = algorithms.get_policy_loss(cfg.policy_loss)(
-        logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_eps=cfg.clip_eps,
-        clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, agg="token-mean", is_weights=pg_weights,
-        denominator=jnp.float32(1.0))
+    pg_loss, pg_metrics = algorithms.get_policy_loss(alg.recipe.policy_loss)(
+        logprobs, rows.old_logprobs, rows.advantages, mask, clip_eps=alg.clip_eps,
+        clip_eps_high=alg.clip_eps_high, dual_clip=alg.dual_clip, weights=pg_weights)
     metrics.update(pg_metrics)
     metrics["pg_loss"] = loss = pg_loss
-    if cfg.kl_coef:
-        kl = algorithms.kl_penalty(logprobs, batch["ref_logprobs"], cfg.kl_estimator)  # [R, L]
-        metrics["kl_loss"] = jnp.sum(jnp.where(on_actions, kl * token_weights, 0.0))
+    if alg.kl_loss_coef:
+        kl = algorithms.kl_penalty(logprobs, rows.ref_logprobs, alg.kl_loss_estimator)  # [R, L]
+        metrics["kl_loss"] = algorithms.aggregate_loss(kl, mask, weights=token_weights)
         metrics["kl_ref"] = _mean_on(kl, mask)
-        loss = loss + cfg.kl_coef * metrics["kl_loss"]
-    if cfg.entropy_coef:
-        loss = loss - cfg.entropy_coef * jnp.sum(jnp.where(on_actions, entropy * token_weights, 0.0))
+        loss = loss + alg.kl_loss_coef * metrics["kl_loss"]
+    if alg.entropy_coef:
+        loss = loss + algorithms.entropy_bonus(entropy, mask, coef=alg.entropy_coef, weights=token_weights)
     metrics["entropy"] = _mean_on(entropy, mask)
     metrics["logprob_mean"] = _mean_on(logprobs, mask)
     metrics["loss"] = loss
     return loss, metrics
 
 
-def sft_loss(params, batch, model, cfg: LossConfig):
+def sft_loss(params, rows: PackedRows, model, chunk=None):
     """Masked cross-entropy on demonstration tokens: -sum(loss_weights * logprob) over action tokens."""
-    mask = batch["action_mask"]
-    logprobs, entropy = token_logprobs(model, params, batch, temperature=1.0, chunk=cfg.logprob_chunk)
-    nll = -jnp.sum(jnp.where(mask > 0, logprobs * batch["loss_weights"], 0.0))
+    mask = rows.action_mask
+    logprobs, entropy = token_logprobs(model, params, rows, temperature=1.0, chunk=chunk)
+    nll = -algorithms.aggregate_loss(logprobs, mask, weights=rows.loss_weights)
     token_acc = _mean_on(jnp.exp(logprobs) > 0.5, mask)  # the demonstrated token is the argmax for sure
     return nll, {"loss": nll, "entropy": _mean_on(entropy, mask), "token_prob_gt_half": token_acc,
                  "logprob_mean": _mean_on(logprobs, mask)}
 
 
-def critic_loss(params, batch, model, cfg: LossConfig):
-    """Clipped value loss, token-mean over the mini-batch's action tokens (`num_action_tokens`)."""
-    values = values_of(model, params, batch)
-    loss, metrics = algorithms.value_loss(values, batch["old_values"], batch["returns"], batch["action_mask"],
-                                          clip_eps=cfg.value_clip_eps, agg="token-mean",
-                                          denominator=batch["num_action_tokens"])
-    loss = cfg.value_coef * loss
+def critic_loss(params, rows: PackedRows, model, value_clip_eps, value_coef):
+    """Clipped value loss, token-mean over the mini-batch's action tokens (`value_weights`)."""
+    values = values_of(model, params, rows)
+    loss, metrics = algorithms.value_loss(values, rows.old_values, rows.returns, rows.action_mask,
+                                          clip_eps=value_clip_eps, weights=rows.value_weights)
+    loss = value_coef * loss
     return loss, {**metrics, "loss": loss}
 
 
@@ -174,7 +153,7 @@ def accumulate_gradients(loss_fn: Callable, params, micro_batches):
     def body(carry, mb):
         grads_acc, metrics_acc, n_acc = carry
         (_, metrics), grads = grad_fn(params, mb)
-        n = jnp.sum(mb["action_mask"] > 0).astype(jnp.float32)
+        n = jnp.sum(mb.action_mask > 0).astype(jnp.float32)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, _combine(metrics_acc, metrics, n), n_acc + n), None
 
@@ -191,20 +170,93 @@ def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation):
         "param_norm": optax.tree.norm(ms.params)}
 
 
-def make_train_step(policy_model, loss_cfg: LossConfig, policy_opt: optax.GradientTransformation, *,
-                    critic_model=None, critic_opt=None, lr_schedule=None, state_sharding=None):
-    """Returns jitted `train_step(state, micro_batches) -> (state, metrics)`.
+# ------------------------------------------------------------------------------------------------- prepare
+def _per_micro_batch(fn, params, rows: PackedRows):
+    """fn(params, rows [R, L]) -> [R, L], applied to every micro-batch of rows [K, M, R, L] one at a time
+    (memory of one micro-batch)."""
+    k, m = rows.tokens.shape[:2]
+    flat = jax.tree.map(lambda x: x.reshape(k * m, *x.shape[2:]), rows)
+    out = jax.lax.map(lambda mb: fn(params, mb), flat)  # [K*M, R, L]
+    return out.reshape(rows.tokens.shape)
 
-    `micro_batches`: dict of `[M, R, L]` arrays (tokens, positions, segment_ids, action_mask, old_logprobs,
-    sampler_logprobs, advantages, loss_weights, and for KL ref_logprobs, for the critic old_values and returns)
-    plus `num_action_tokens [M]` (the mini-batch's action-token count, repeated).
-    The state is donated; with `state_sharding` the new state keeps that sharding.
-    """
 
-    def train_step(state: TrainState, micro_batches):
+def _unpack(packed, batch: UpdateBatch):
+    """Packed [K, M, R, L] -> trajectory view [N, T] (0 past each trajectory's end)."""
+    index = batch.unpack_index
+    return jnp.where(index >= 0, packed.reshape(-1)[jnp.maximum(index, 0)], 0).astype(packed.dtype)
+
+
+def _pack(per_trajectory, batch: UpdateBatch):
+    """Trajectory view [N, T] -> packed [K, M, R, L] (0 on padding)."""
+    flat = jnp.concatenate([per_trajectory.reshape(-1), jnp.zeros((1,), per_trajectory.dtype)])
+    return flat[batch.pack_index]
+
+
+def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
+    """Jitted `prepare(state, batch) -> (batch, metrics)`: fills the rows' old logprobs (the policy before this
+    update), reference logprobs (with a KL knob), old values (with a critic), advantages and returns (the
+    recipe's estimator on the trajectory view), and loss weights (the recipe's aggregation over each
+    mini-batch), all on the device in one pass."""
+    recipe = alg.recipe
+    num_minibatch_fn = lambda batch: batch.rows.tokens.shape[0]  # noqa: E731 - static under jit
+
+    def logprob_fn(params, rows):
+        return token_logprobs(policy_model, params, rows, temperature=alg.temperature, chunk=alg.logprob_chunk)[0]
+
+    def prepare(state: TrainState, batch: UpdateBatch):
+        rows = batch.rows
+        old = _per_micro_batch(logprob_fn, state.policy.params, rows)
+        ref = _per_micro_batch(logprob_fn, state.ref_params, rows) if alg.needs_reference else None
+        mask = _unpack(rows.action_mask, batch)  # [N, T]
+        values = None
+        if critic_model is not None:
+            packed_values = _per_micro_batch(lambda p, r: values_of(critic_model, p, r), state.critic.params, rows)
+            values = _unpack(packed_values, batch) * mask
+        old_nt = _unpack(old, batch)
+        token_kl = None
+        estimator_kwargs = dict(alg.estimator_kwargs)
+        if recipe.kl_in_reward:
+            estimator_kwargs["kl_coef"] = alg.kl_in_reward_coef
+            if alg.kl_in_reward_coef:
+                token_kl = algorithms.kl_penalty(old_nt, _unpack(ref, batch), alg.kl_in_reward_estimator)
+        advantages, returns = algorithms.compute_advantages(
+            recipe.estimator, rewards=batch.rewards, group_ids=batch.group_ids, action_mask=mask, values=values,
+            token_kl=token_kl, **estimator_kwargs)
+        k = num_minibatch_fn(batch)
+        weights = algorithms.aggregation_weights(mask, alg.aggregation, norm_len=alg.norm_len,
+                                                 groups=batch.minibatch, num_groups=k)
+        filled = rows.replace(old_logprobs=old, ref_logprobs=ref, advantages=_pack(advantages, batch),
+                              loss_weights=_pack(weights, batch))
+        if critic_model is not None:
+            value_weights = algorithms.aggregation_weights(mask, "token-mean", groups=batch.minibatch, num_groups=k)
+            filled = filled.replace(old_values=_pack(values, batch), returns=_pack(returns, batch),
+                                    value_weights=_pack(value_weights, batch))
+        on = mask > 0
+        count = jnp.maximum(jnp.sum(on), 1)
+        adv_mean = jnp.sum(jnp.where(on, advantages, 0.0)) / count
+        metrics = {
+            "advantages/mean": adv_mean,
+            "advantages/std": jnp.sqrt(jnp.sum(jnp.where(on, (advantages - adv_mean) ** 2, 0.0)) / count),
+            "mismatch/sampler_vs_trainer_logprob_abs":
+                jnp.sum(jnp.where(rows.action_mask > 0, jnp.abs(old - rows.sampler_logprobs), 0.0))
+                / jnp.maximum(jnp.sum(rows.action_mask > 0), 1),
+        }
+        return batch.replace(rows=filled), metrics
+
+    return jax.jit(prepare)
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.GradientTransformation, *,
+                    critic_model=None, critic_opt=None, value_clip_eps=0.2, value_coef=1.0, lr_schedule=None,
+                    state_sharding=None):
+    """Returns jitted `train_step(state, rows) -> (state, metrics)` on one mini-batch of prepared PackedRows
+    [M, R, L]. The state is donated; with `state_sharding` the new state keeps that sharding."""
+
+    def train_step(state: TrainState, micro_batches: PackedRows):
         metrics = {}
         grads, policy_metrics = accumulate_gradients(
-            lambda p, b: policy_loss(p, b, policy_model, loss_cfg), state.policy.params, micro_batches)
+            lambda p, b: policy_loss(p, b, policy_model, alg), state.policy.params, micro_batches)
         policy, opt_metrics = _apply(state.policy, grads, policy_opt)
         metrics.update({f"policy/{k}": v for k, v in {**policy_metrics, **opt_metrics}.items()})
         if lr_schedule is not None:
@@ -212,7 +264,8 @@ def make_train_step(policy_model, loss_cfg: LossConfig, policy_opt: optax.Gradie
         critic = state.critic
         if critic is not None:
             grads, critic_metrics = accumulate_gradients(
-                lambda p, b: critic_loss(p, b, critic_model, loss_cfg), critic.params, micro_batches)
+                lambda p, b: critic_loss(p, b, critic_model, value_clip_eps, value_coef), critic.params,
+                micro_batches)
             critic, opt_metrics = _apply(critic, grads, critic_opt)
             metrics.update({f"critic/{k}": v for k, v in {**critic_metrics, **opt_metrics}.items()})
         new_state = state.replace(step=state.step + 1, policy=policy, critic=critic)
@@ -222,14 +275,17 @@ def make_train_step(policy_model, loss_cfg: LossConfig, policy_opt: optax.Gradie
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
 
-def make_sft_step(model, loss_cfg: LossConfig, optimizer: optax.GradientTransformation, *, lr_schedule=None,
+def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chunk=None, lr_schedule=None,
                   state_sharding=None):
-    """Jitted `sft_step(state, micro_batches) -> (state, metrics)`: supervised fine-tuning on the same packed,
-    action-masked batches as RL (only the policy is trained)."""
+    """Jitted `sft_step(state, rows [M, R, L]) -> (state, metrics)`: supervised fine-tuning on the same packed,
+    action-masked rows as RL, token-mean over the mini-batch (only the policy is trained)."""
 
-    def sft_step(state: TrainState, micro_batches):
-        grads, metrics = accumulate_gradients(lambda p, b: sft_loss(p, b, model, loss_cfg), state.policy.params,
-                                              micro_batches)
+    def sft_step(state: TrainState, micro_batches: PackedRows):
+        mask = micro_batches.action_mask
+        weights = algorithms.aggregation_weights(mask.reshape(-1, mask.shape[-1]), "token-mean").reshape(mask.shape)
+        micro_batches = micro_batches.replace(loss_weights=weights)
+        grads, metrics = accumulate_gradients(lambda p, b: sft_loss(p, b, model, logprob_chunk),
+                                              state.policy.params, micro_batches)
         policy, opt_metrics = _apply(state.policy, grads, optimizer)
         out = {f"sft/{k}": v for k, v in {**metrics, **opt_metrics}.items()}
         if lr_schedule is not None:
@@ -240,12 +296,6 @@ def make_sft_step(model, loss_cfg: LossConfig, optimizer: optax.GradientTransfor
     return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings)
 
 
-def make_logprob_fn(model, *, temperature=1.0, chunk=None):
-    """Jitted `(params, batch [R, L]) -> logprobs [R, L]` (old / reference logprobs before an update)."""
-    return jax.jit(lambda params, batch: token_logprobs(model, params, batch, temperature=temperature,
-                                                       chunk=chunk)[0])
-
-
-def make_value_fn(model):
-    """Jitted `(params, batch [R, L]) -> values [R, L]`."""
-    return jax.jit(lambda params, batch: values_of(model, params, batch))
+def take_minibatch(rows: PackedRows, k: int) -> PackedRows:
+    """Mini-batch k of rows [K, M, R, L], on the device."""
+    return jax.tree.map(lambda x: x[k], rows)

@@ -1,0 +1,163 @@
+"""The one batch path: a step's trajectories -> one typed `UpdateBatch`, packed once per mini-batch.
+
+Host side (numpy, this module): trajectories are assigned to PPO mini-batches once per step, and each
+mini-batch is packed once into rows of a bucketed length (several trajectories per row, separated by
+`segment_ids`) and split into micro-batches: every per-token array is `[K, M, R, L]` (K mini-batches of M
+micro-batches of R rows of L tokens). Index maps between the packed rows and the per-trajectory view
+`[N, T]` travel with it, so the device can unpack for the advantage estimators and pack the results back
+without a round trip through the host. The whole batch moves to the devices in one transfer
+(`trainer/update.py` fills old/reference logprobs, values, advantages and loss weights there, in one jitted
+pass). Shapes come from a few buckets (L from `seq_buckets`, R rounded up to `rows_multiple`) so jit
+compiles a handful of times, not once per step.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import numpy as np
+
+
+class PackedRows(flax.struct.PyTreeNode):
+    """Per-token arrays of packed rows, `[..., R, L]` (leading axes: mini-batch, micro-batch).
+
+    The first five come from the rollout; the rest are filled on the device before the update (None until
+    then, or when the recipe needs none: `ref_logprobs` without KL, `old_values`/`returns`/`value_weights`
+    without a critic)."""
+
+    tokens: Any  # int32
+    positions: Any  # int32, restarting at 0 in every segment
+    segment_ids: Any  # int32, 1, 2, ... per row; 0 = padding
+    action_mask: Any  # float32, 1 on sampled tokens
+    sampler_logprobs: Any  # float32, the rollout engine's logprobs (0 off-action)
+    old_logprobs: Any = None  # the policy before this update
+    ref_logprobs: Any = None  # the frozen reference policy
+    old_values: Any = None  # the critic before this update (0 off-action)
+    advantages: Any = None
+    returns: Any = None
+    loss_weights: Any = None  # aggregation weights of the recipe over each mini-batch
+    value_weights: Any = None  # token-mean weights over each mini-batch, for the critic
+
+
+class UpdateBatch(flax.struct.PyTreeNode):
+    """One RL step: packed rows `[K, M, R, L]` plus the per-trajectory view the estimators need.
+
+    pack_index [K, M, R, L]: for each packed slot, the flat index n * T + t of the trajectory token it holds
+    in the `[N, T]` view, or N * T for padding. unpack_index [N, T]: for each trajectory token, the flat index
+    of its packed slot, or -1 past the trajectory's end."""
+
+    rows: PackedRows
+    rewards: Any  # [N] float32
+    group_ids: Any  # [N] int32
+    minibatch: Any  # [N] int32, the mini-batch each trajectory is in
+    lengths: Any  # [N] int32
+    pack_index: Any  # [K, M, R, L] int32
+    unpack_index: Any  # [N, T] int32
+
+    @property
+    def num_minibatches(self) -> int:
+        return int(self.rows.tokens.shape[0])
+
+
+def choose_bucket(length: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= length; a clear error when even the largest is too small."""
+    for b in sorted(buckets):
+        if b >= length:
+            return int(b)
+    raise ValueError(f"a sequence of {length} tokens does not fit the largest bucket {max(buckets)}; raise "
+                     f"config.seq_buckets or lower the rollout's max context length")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def first_fit_decreasing(lengths: np.ndarray, row_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Assigns sequences to rows: returns (row [N], offset [N], number of rows used)."""
+    lengths = np.asarray(lengths)
+    if len(lengths) and lengths.max() > row_len:
+        raise ValueError(f"sequence of length {int(lengths.max())} longer than row length {row_len}")
+    row, offset = np.zeros(len(lengths), np.int32), np.zeros(len(lengths), np.int32)
+    fill: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        r = next((j for j, used in enumerate(fill) if used + n <= row_len), None)
+        if r is None:
+            r = len(fill)
+            fill.append(0)
+        row[i], offset[i] = r, fill[r]
+        fill[r] += n
+    return row, offset, len(fill)
+
+
+def assign_minibatches(num: int, mini_batches: int, rng: np.random.Generator) -> np.ndarray:
+    """[num] mini-batch index of each trajectory: a random split into `mini_batches` near-equal parts."""
+    minibatch = np.zeros(num, np.int32)
+    for k, part in enumerate(np.array_split(rng.permutation(num), mini_batches)):
+        minibatch[part] = k
+    return minibatch
+
+
+def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.ndarray, lengths: np.ndarray, *,
+              rewards: np.ndarray, group_ids: np.ndarray, minibatch: np.ndarray, num_minibatches: int,
+              micro_batches: int = 1, rows_multiple: int = 1, row_len: int | None = None) -> UpdateBatch:
+    """Packs per-trajectory arrays `[N, T]` into an UpdateBatch (numpy leaves).
+
+    Each mini-batch is packed into rows of `row_len` (default T) tokens by first-fit-decreasing; every
+    mini-batch gets the same row count R: the most any needs, rounded up to `micro_batches * rows_multiple`
+    (pass the data-parallel size times a row bucket, so rows split evenly over devices and shapes repeat).
+    """
+    tokens = np.asarray(tokens)
+    n, t = tokens.shape
+    row_len = t if row_len is None else int(row_len)
+    lengths = np.asarray(lengths, np.int32)
+    minibatch = np.asarray(minibatch, np.int32)
+    if len(lengths) != n or len(minibatch) != n:
+        raise ValueError(f"pack_step: {n} trajectories but {len(lengths)} lengths and {len(minibatch)} mini-batch ids")
+    if minibatch.min(initial=0) < 0 or minibatch.max(initial=0) >= num_minibatches:
+        raise ValueError(f"pack_step: mini-batch ids must be in [0, {num_minibatches})")
+    placement = []
+    used_max = 1
+    for k in range(num_minibatches):
+        members = np.flatnonzero(minibatch == k)
+        row, offset, used = first_fit_decreasing(lengths[members], row_len)
+        placement.append((members, row, offset))
+        used_max = max(used_max, used)
+    rows = round_up(used_max, micro_batches * rows_multiple)
+
+    def zeros(dtype):
+        return np.zeros((num_minibatches, rows, row_len), dtype)
+
+    out = {"tokens": zeros(np.int32), "positions": zeros(np.int32), "segment_ids": zeros(np.int32),
+           "action_mask": zeros(np.float32), "sampler_logprobs": zeros(np.float32)}
+    pack_index = np.full((num_minibatches, rows, row_len), n * t, np.int32)
+    unpack_index = np.full((n, t), -1, np.int32)
+    sources = {"tokens": tokens, "action_mask": np.asarray(action_mask, np.float32),
+               "sampler_logprobs": np.asarray(sampler_logprobs, np.float32)}
+    for k, (members, row, offset) in enumerate(placement):
+        next_segment = np.ones(rows, np.int32)
+        for j in np.argsort(row * row_len + offset, kind="stable"):  # row-major, so segment ids increase
+            i, r, o, length = members[j], row[j], offset[j], lengths[members[j]]
+            span = slice(o, o + length)
+            for key, src in sources.items():
+                out[key][k, r, span] = src[i, :length]
+            out["segment_ids"][k, r, span] = next_segment[r]
+            next_segment[r] += 1
+            out["positions"][k, r, span] = np.arange(length)
+            pack_index[k, r, span] = i * t + np.arange(length)
+            unpack_index[i, :length] = (k * rows + r) * row_len + o + np.arange(length)
+
+    def split(x):  # [K, R, L] -> [K, M, R / M, L]
+        return x.reshape(num_minibatches, micro_batches, rows // micro_batches, row_len)
+
+    return UpdateBatch(rows=PackedRows(**{k: split(v) for k, v in out.items()}),
+                       rewards=np.asarray(rewards, np.float32), group_ids=np.asarray(group_ids, np.int32),
+                       minibatch=minibatch, lengths=lengths, pack_index=split(pack_index), unpack_index=unpack_index)
+
+
+def unpack_rows(packed: np.ndarray, batch: UpdateBatch) -> np.ndarray:
+    """A packed per-token array [K, M, R, L] back to the trajectory view [N, T] (0 past each end); numpy."""
+    flat = np.asarray(packed).reshape(-1)
+    index = np.asarray(batch.unpack_index)
+    return np.where(index >= 0, flat[np.maximum(index, 0)], 0)

@@ -1,0 +1,451 @@
+"""The experiment config, typed: each section a frozen dataclass, built and validated once at start-up.
+
+Experiment files (`experiments/*.py`) write ml-collections ConfigDicts (`get_config(arg)`); `TrainConfig.build`
+turns one into typed sections before any model or data work. Unknown keys (with a suggestion), wrong types
+and out-of-range values are refused in one line naming the key and what is allowed (`ConfigError`).
+`default_config()` is the ConfigDict of all defaults: keys whose default is unset (None) are ml-collections
+placeholders of their type, so `--config.loss.logprob_chunk=256` works from the command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from agentfly_jax.algorithms.losses import AGGREGATION_MODES
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, of the wrong type or out of range; the message is one line naming it."""
+
+
+def knob(default: Any = None, check: Callable[[Any], bool] | None = None, allowed: str = "", *,
+         factory: Callable[[], Any] | None = None):
+    """A config field: its default, and a range check with the words for what is allowed."""
+    meta = {"check": check, "allowed": allowed}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _positive(v):
+    return v > 0
+
+
+def _non_negative(v):
+    return v >= 0
+
+
+def _one_of(*options):
+    return (lambda v: v in options), "one of " + ", ".join(repr(o) for o in options)
+
+
+POSITIVE, NON_NEGATIVE = (_positive, "> 0"), (_non_negative, ">= 0")
+PROBABILITY = (lambda v: 0.0 < v <= 1.0), "in (0, 1]"
+
+
+# ============================================================================================= sections
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """The environment plugin (agentfly_jax.envs.spec): its registered name or 'module:env_spec', and the
+    options its `env_spec(**options)` takes. Empty name: tasks come from task.train_path/eval_path and the
+    agent's tools/reward from agent.tools/agent.reward (a user's own task)."""
+
+    name: str = ""
+    options: dict = knob(factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+    num_train: int = knob(0, *NON_NEGATIVE)  # rows of the train split (0: all)
+    num_eval: int = knob(64, *NON_NEGATIVE)  # held-out rows (0: none)
+    eval_split: str = "test"
+    train_path: str = ""  # a user's JSON/JSONL dataset (when env.name is empty)
+    eval_path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSection:
+    path: str = ""  # an HF tokenizer directory
+    kind: str = knob("", *_one_of("", "env", "qwen2.5"))  # "env": the environment's own tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    hf_path: str = ""  # start from this HF checkpoint (the fields below then come from it)
+    family: str = knob("qwen2", *_one_of("qwen2", "llama"))
+    hidden_size: int = knob(128, *POSITIVE)
+    intermediate_size: int = knob(384, *POSITIVE)
+    num_layers: int = knob(2, *POSITIVE)
+    num_heads: int = knob(4, *POSITIVE)
+    num_kv_heads: int = knob(2, *POSITIVE)
+    head_dim: int | None = None
+    vocab_size: int | None = None  # None: the tokenizer's size
+    qkv_bias: bool = True
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = knob(4096, *POSITIVE)
+    rope_theta: float = knob(10000.0, *POSITIVE)
+    dtype: str = knob("float32", *_one_of("float32", "bfloat16", "float16"))
+    param_dtype: str | None = knob(None, *_one_of(None, "float32", "bfloat16", "float16"))
+    remat: bool = False
+    attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSection:
+    """Empty/None fields come from the environment spec."""
+
+    type: str = ""  # "tool_calling" | "react" | "code" | "package.module:AgentClass"
+    tools: tuple[str, ...] = ()  # registered tool names or "package.module:tool"
+    reward: str = ""  # registered reward name or "package.module:reward"
+    system_prompt: str | None = None
+    success_threshold: float | None = None
+    max_turns: int | None = knob(None, lambda v: v is None or v >= 1, ">= 1")
+    max_new_tokens: int = knob(512, *POSITIVE)
+    max_context_tokens: int = knob(4096, *POSITIVE)
+    max_observation_chars: int | None = None
+    temperature: float = knob(1.0, *NON_NEGATIVE)
+    top_p: float = knob(1.0, *PROBABILITY)
+    top_k: int = -1
+    parallel_tool_calls: bool = True
+    tool_timeout: float | None = None
+    max_concurrency: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxSamplerSection:
+    max_slots: int = knob(64, *POSITIVE)
+    max_len: int | None = None
+    steps_per_call: int = knob(8, *POSITIVE)
+    prefill_tokens: int = knob(8192, *POSITIVE)
+    min_bucket: int = knob(16, *POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMSection:
+    urls: tuple[str, ...] = ()
+    launch: bool = False  # start num_servers local servers on the initial policy
+    num_servers: int = knob(1, *POSITIVE)
+    server_args: tuple[str, ...] = ()
+    weight_sync: str = knob("memory", *_one_of("memory", "file"))
+    request_timeout: float = knob(600.0, *POSITIVE)
+    max_retries: int = knob(3, *NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warmup + decay schedule."""
+
+    learning_rate: float = knob(1e-6, *POSITIVE)
+    warmup_steps: int = knob(0, *NON_NEGATIVE)
+    decay_steps: int = knob(0, *NON_NEGATIVE)  # 0: constant after warmup
+    schedule: str = knob("constant", *_one_of("constant", "cosine", "linear"))
+    end_lr_ratio: float = knob(0.0, *NON_NEGATIVE)
+    weight_decay: float = knob(0.0, *NON_NEGATIVE)
+    b1: float = knob(0.9, lambda v: 0 <= v < 1, "in [0, 1)")
+    b2: float = knob(0.999, lambda v: 0 <= v < 1, "in [0, 1)")
+    eps: float = knob(1e-8, *POSITIVE)
+    max_grad_norm: float = 1.0  # <= 0 disables clipping
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSection:
+    """Supervised warm start: `stages` ((steps, expert_fraction), ...) of the environment's demonstrations,
+    or `steps` on `data_path` (JSONL of {"messages": [...]}), or none (steps 0, no stages)."""
+
+    stages: tuple[tuple[int, float], ...] = ()
+    steps: int = knob(0, *NON_NEGATIVE)
+    expert_fraction: float = knob(1.0, lambda v: 0 <= v <= 1, "in [0, 1]")
+    batch_size: int = knob(16, *POSITIVE)
+    data_path: str = ""
+    optimizer: OptimizerConfig = knob(factory=lambda: OptimizerConfig(learning_rate=1e-5))
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSection:
+    steps: int = knob(100, *NON_NEGATIVE)
+    tasks_per_step: int = knob(8, *POSITIVE)
+    chains_per_task: int = knob(8, *POSITIVE)
+    ppo_epochs: int = knob(1, *POSITIVE)
+    mini_batches: int = knob(1, *POSITIVE)
+    micro_batches: int = knob(1, *POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSection:
+    """The value model of recipes that train one (ppo); other recipes build no critic and never read this."""
+
+    optimizer: OptimizerConfig = knob(factory=lambda: OptimizerConfig(learning_rate=1e-5))
+    value_clip_eps: float | None = 0.2
+    value_coef: float = knob(1.0, *POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSection:
+    """Policy-loss knobs; None = the recipe's default (a set knob the recipe ignores is refused)."""
+
+    aggregation: str | None = knob(None, *_one_of(None, *AGGREGATION_MODES))
+    norm_len: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    clip_eps: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    clip_eps_high: float | None = None
+    dual_clip: float | None = knob(None, lambda v: v is None or v > 1, "> 1")
+    kl_loss_coef: float | None = knob(None, lambda v: v is None or v >= 0, ">= 0")
+    kl_loss_estimator: str | None = None
+    entropy_coef: float | None = None
+    temperature: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    logprob_chunk: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    is_cap: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageSection:
+    """Advantage-estimator knobs; None = the recipe's default (a set knob the recipe ignores is refused)."""
+
+    normalize_std: bool | None = None
+    eps: float | None = None
+    gamma: float | None = knob(None, lambda v: v is None or 0 <= v <= 1, "in [0, 1]")
+    lam: float | None = knob(None, lambda v: v is None or 0 <= v <= 1, "in [0, 1]")
+    kl_in_reward_coef: float | None = knob(None, lambda v: v is None or v >= 0, ">= 0")
+    kl_in_reward_estimator: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    data: int = 1
+    fsdp: int = -1  # -1: every remaining device
+    tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    every: int = knob(20, *NON_NEGATIVE)  # 0: only the final one
+    keep: int = knob(2, *POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+    """Held-out success: a headline pass at (temperature, top_p; temperature 0 is greedy) with num_chains per
+    task, and `sampled_chains` > 0 adds plain temperature-1 sampling beside it (eval/*_sampled)."""
+
+    every: int = knob(20, *NON_NEGATIVE)
+    num_tasks: int = knob(64, *NON_NEGATIVE)
+    num_chains: int = knob(1, *POSITIVE)
+    temperature: float = knob(1.0, *NON_NEGATIVE)
+    top_p: float = knob(1.0, *PROBABILITY)
+    sampled_chains: int = knob(0, *NON_NEGATIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    workdir: str = "runs/experiment"
+    algorithm: str = "grpo"  # a registered recipe (agentfly_jax.algorithms.recipes)
+    resume: bool = False
+    progress: bool = True
+    log_every: int = knob(1, *POSITIVE)
+    seq_buckets: tuple[int, ...] = knob((1024, 2048, 4096), lambda v: len(v) > 0 and min(v) > 0,
+                                        "a non-empty tuple of positive lengths")
+    row_bucket: int = knob(8, *POSITIVE)  # packed row counts round up to a multiple of this
+    backend: str = knob("jax", *_one_of("jax", "vllm"))
+    chat_template: str = ""  # "": the tokenizer's own; a template name such as "qwen2.5"
+    sharding_rules: tuple = ()  # (): agentfly_jax.models.sharding.DEFAULT_RULES
+    env: EnvSection = knob(factory=EnvSection)
+    task: TaskSection = knob(factory=TaskSection)
+    tokenizer: TokenizerSection = knob(factory=TokenizerSection)
+    model: ModelSection = knob(factory=ModelSection)
+    agent: AgentSection = knob(factory=AgentSection)
+    envs: dict = knob(factory=dict)  # extra resource-manager pools {name: pool config} (beyond the env's)
+    jax_sampler: JaxSamplerSection = knob(factory=JaxSamplerSection)
+    vllm: VLLMSection = knob(factory=VLLMSection)
+    sft: SFTSection = knob(factory=SFTSection)
+    rl: RLSection = knob(factory=RLSection)
+    optimizer: OptimizerConfig = knob(factory=OptimizerConfig)
+    critic: CriticSection = knob(factory=CriticSection)
+    loss: LossSection = knob(factory=LossSection)
+    advantage: AdvantageSection = knob(factory=AdvantageSection)
+    mesh: MeshSection = knob(factory=MeshSection)
+    checkpoint: CheckpointSection = knob(factory=CheckpointSection)
+    eval: EvalSection = knob(factory=EvalSection)
+
+    @classmethod
+    def build(cls, config: Mapping[str, Any]) -> "TrainConfig":
+        """Typed, validated config from an experiment's ConfigDict (or dict); ConfigError on the first
+        problem. Cross-section rules (recipe knobs, task source, backend) are checked here too."""
+        built = build_section(cls, config, "config")
+        built._check()
+        return built
+
+    def _check(self) -> None:
+        try:
+            self.resolved_algorithm()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not self.env.name:
+            if not self.task.train_path:
+                raise ConfigError("config.env.name is empty and config.task.train_path is empty: name an "
+                                  "environment (e.g. env.name='arithmetic') or give your own JSONL tasks")
+            if not self.agent.reward:
+                raise ConfigError("a task from files (config.task.train_path) needs config.agent.reward "
+                                  "('package.module:reward_fn' or a registered reward name)")
+            if self.task.num_eval and not self.task.eval_path:
+                raise ConfigError("config.task.num_eval > 0 needs config.task.eval_path (held-out JSONL tasks); "
+                                  "or set config.task.num_eval=0")
+        if self.backend == "vllm":
+            if self.vllm.launch and self.vllm.urls:
+                raise ConfigError("config.vllm.launch=True starts its own servers: leave config.vllm.urls empty")
+            if not self.vllm.launch and not self.vllm.urls:
+                raise ConfigError("config.backend='vllm' needs config.vllm.urls (e.g. "
+                                  "\"('http://127.0.0.1:8000',)\") or config.vllm.launch=True")
+        if self.tokenizer.path and self.tokenizer.kind:
+            raise ConfigError("set config.tokenizer.path or config.tokenizer.kind, not both")
+        if not self.tokenizer.path and not self.tokenizer.kind:
+            raise ConfigError("set config.tokenizer.path (an HF tokenizer directory) or config.tokenizer.kind "
+                              "('env': the environment's own, 'qwen2.5': the offline Qwen2.5 tokenizer)")
+        if self.sft.steps and self.sft.stages:
+            raise ConfigError("set config.sft.steps (with data_path) or config.sft.stages, not both")
+        if self.sft.stages and self.sft.data_path:
+            raise ConfigError("config.sft.stages generate the environment's demonstrations; config.sft.data_path "
+                              "is read for config.sft.steps instead")
+        if self.sft.steps and not self.sft.data_path and not self.env.name:
+            raise ConfigError("config.sft.steps > 0 needs config.sft.data_path (JSONL of {'messages': [...]}) "
+                              "or an environment with demonstrations (config.sft.stages)")
+        if self.rl.tasks_per_step * self.rl.chains_per_task < self.rl.mini_batches:
+            raise ConfigError(f"config.rl.mini_batches={self.rl.mini_batches} is more than the "
+                              f"{self.rl.tasks_per_step * self.rl.chains_per_task} chains of a step")
+        longest = self.agent.max_context_tokens
+        if longest > max(self.seq_buckets):
+            raise ConfigError(f"config.agent.max_context_tokens={longest} does not fit the largest of "
+                              f"config.seq_buckets={self.seq_buckets}: raise the buckets or lower the context")
+
+    def resolved_algorithm(self):
+        """The recipe of `algorithm` with this config's advantage/loss knobs decided (RecipeError if one does
+        not fit). Dr.GRPO's horizon defaults to the agent's context length."""
+        from agentfly_jax.algorithms.recipes import get_recipe
+
+        recipe = get_recipe(self.algorithm)
+        loss = dataclasses.asdict(self.loss)
+        resolved = recipe.resolve(dataclasses.asdict(self.advantage), loss)
+        if resolved.aggregation == "seq-mean-token-sum-norm" and resolved.norm_len is None:
+            resolved = dataclasses.replace(resolved, norm_len=self.agent.max_context_tokens)
+        return resolved
+
+
+# ============================================================================================= building
+def _plain(value):
+    if isinstance(value, ml_collections.ConfigDict):
+        return value.to_dict()
+    if isinstance(value, config_dict.FieldReference):
+        return value.get()
+    return value
+
+
+def build_section(cls, mapping: Mapping[str, Any] | None, where: str):
+    """`cls(**mapping)` with every field coerced to its annotated type and range-checked."""
+    mapping = _plain(mapping)
+    if mapping is None:
+        mapping = {}
+    if dataclasses.is_dataclass(mapping):
+        return mapping
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{where}: expected a section (mapping of keys), got {type(mapping).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in mapping:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}.{key}: unknown key{hint}; {where} has: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        key = f"{where}.{name}"
+        if name in mapping:
+            value = _coerce(mapping[name], hints[name], key)
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            value = f.default_factory()
+        check, allowed = f.metadata.get("check"), f.metadata.get("allowed", "")
+        if check is not None and not check(value):
+            raise ConfigError(f"{key}={value!r} is out of range; allowed: {allowed}")
+        values[name] = value
+    return cls(**values)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value, tp, where: str):
+    value = _plain(value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        arms = [a for a in args if a is not type(None)]
+        return _coerce(value, arms[0], where)
+    if dataclasses.is_dataclass(tp):
+        return build_section(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r}: expected True or False")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}={value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r}: expected a string")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}={value!r}: expected a mapping")
+        return {k: _plain(v) for k, v in value.items()}
+    if tp is tuple or origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}={value!r}: expected a tuple, e.g. \"(1, 2)\" on the command line")
+        if not args:
+            return tuple(_plain(v) for v in value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{where}={value!r}: expected {len(args)} items "
+                              f"({', '.join(_type_name(a) for a in args)})")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    raise TypeError(f"{where}: config type {tp!r} is not supported")  # a bug in this module, not the user's
+
+
+# ====================================================================================== default ConfigDict
+def default_config() -> ml_collections.ConfigDict:
+    """Every key of TrainConfig at its default, as a ConfigDict; unset (None) keys are placeholders of their
+    type, so the command line can set them."""
+    return _to_config_dict(TrainConfig())
+
+
+def _to_config_dict(section) -> ml_collections.ConfigDict:
+    out = ml_collections.ConfigDict()
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _to_config_dict(value)
+        elif isinstance(value, dict):
+            out[f.name] = ml_collections.ConfigDict(value)
+        elif value is None:
+            arms = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+            out[f.name] = config_dict.placeholder(arms[0] if arms else object)
+        else:
+            out[f.name] = value
+    return out

@@ -1,0 +1,52 @@
+"""Blocks the experiment configs share: the defaults of every key (the typed config's), the tiny
+Qwen2-architecture policy used where no pretrained weights are given, the AgentFly-style RL numbers for the
+environment experiments, and the `:cpu` shrink that makes any experiment a minutes-long plumbing run on a CPU.
+"""
+from ml_collections import ConfigDict
+
+from agentfly_jax.trainer.config import default_config
+
+
+def base(workdir: str, env: str = "", **env_options) -> ConfigDict:
+    """Every key at its default (unset knobs are command-line settable placeholders), for environment `env`."""
+    c = default_config()
+    c.workdir = workdir
+    c.env.name = env
+    c.env.options = ConfigDict(env_options)
+    return c
+
+
+def tiny_policy(c: ConfigDict, max_position_embeddings: int = 4096) -> None:
+    """A tiny random Qwen2-architecture policy (head_dim 32, so vLLM can serve it too): the pipeline runs, a
+    real run sets model.hf_path and tokenizer.path to a checkpoint instead."""
+    c.model.update(dict(hf_path="", family="qwen2", hidden_size=128, intermediate_size=384, num_layers=2,
+                        num_heads=4, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=True,
+                        max_position_embeddings=max_position_embeddings, dtype="float32"))
+
+
+def agentfly_grpo(c: ConfigDict) -> None:
+    """AgentFly's multi-turn GRPO numbers: 8 tasks x 8 chains a step, temperature 1, constant small learning
+    rate, token-mean loss, asymmetric clipping 0.2 / 0.28, greedy held-out eval every 20 steps."""
+    c.algorithm = "grpo"
+    c.tokenizer.kind = "qwen2.5"
+    c.chat_template = "qwen2.5"
+    c.rl.update(dict(steps=200, tasks_per_step=8, chains_per_task=8, ppo_epochs=1, mini_batches=2, micro_batches=2))
+    c.optimizer.update(dict(learning_rate=1e-6, warmup_steps=5, schedule="constant"))
+    c.critic.optimizer.update(dict(learning_rate=1e-5))
+    c.loss.clip_eps_high = 0.28
+    c.sft.optimizer.update(dict(learning_rate=1e-5, warmup_steps=10))
+    c.checkpoint.update(dict(every=20, keep=2))
+    c.eval.update(dict(every=20, num_tasks=64, num_chains=1, temperature=0.0, top_p=1.0, sampled_chains=1))
+
+
+def cpu_plumbing(c: ConfigDict, *, context: int = 1024, buckets=(1024,), turns: int = 2) -> ConfigDict:
+    """The `:cpu` variant: one small RL step of the tiny policy, no eval, short turns; minutes on 2 cores."""
+    c.rl.update(dict(steps=1, tasks_per_step=2, chains_per_task=2, mini_batches=1, micro_batches=1))
+    c.task.num_eval = 0
+    c.eval.num_tasks = 0
+    c.agent.update(dict(max_turns=turns, max_new_tokens=32, max_context_tokens=context))
+    c.jax_sampler.update(dict(max_slots=4, max_len=context))
+    c.seq_buckets = tuple(buckets)
+    c.row_bucket = 1
+    c.checkpoint.every = 0
+    return c
