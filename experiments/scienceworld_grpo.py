@@ -1,94 +1,36 @@
-"""ScienceWorld with GRPO: a ReAct agent acts in the real ScienceWorld simulator (environments/scienceworld).
+"""ScienceWorld with GRPO: a ReAct agent runs science experiments in the real simulator (environments/scienceworld).
 
-    python -m agentfly_jax.train --config experiments/scienceworld_grpo.py \
+    agentfly-train --config experiments/scienceworld_grpo.py \
         --config.model.hf_path=/path/to/Qwen2.5-7B-Instruct --config.tokenizer.path=/path/to/Qwen2.5-7B-Instruct
-    python -m agentfly_jax.train --config experiments/scienceworld_grpo.py --config.rl.steps=2 \
-        --config.rl.tasks_per_step=1 --config.rl.chains_per_task=2 --config.agent.max_turns=2 \
-        --config.eval.num_tasks=1 --config.agent.max_new_tokens=16 --config.agent.max_context_tokens=1024 \
-        --config.jax_sampler.max_slots=2 --config.jax_sampler.max_len=1024 --config.seq_buckets="(512,1024)" \
-        --config.row_bucket=2 --config.rl.mini_batches=1 --config.rl.micro_batches=1   # CPU plumbing check
-    python scripts/eval_env.py --env scienceworld --agent oracle --num 12   # the gold paths reach reward 1.0
+    agentfly-train --config experiments/scienceworld_grpo.py:cpu   # CPU plumbing check: two GRPO steps
+    agentfly-train --config experiments/scienceworld_grpo.py --config.env.options.task_names=boil,melt
+    python scripts/eval_env.py --env scienceworld --agent oracle --num 4    # gold paths reach reward 1.0
 
-The CPU plumbing check runs two GRPO steps of the tiny random model in ≈ 50 s on 2 cores (Qwen's 151k-token
-vocabulary makes the default 2,048-8,192-token buckets an accelerator's job); tests/environments/
-test_env_experiments.py runs exactly that command.
-
-Rows are (task, variation) pairs of the package's train split (held-out: its test split), the question is the
-task description. They cost nothing at start: the catalog of splits is listed once (≈ 5 s, then cached under
-~/.cache/agentfly_jax/scienceworld) and a row's description is read from the simulator when a step first uses
-it (`environments.scienceworld.TaskRows`). The agent calls `scienceworld_step(action)` (and
-`scienceworld_valid_actions(contains)`) on its own simulator: one JVM per chain (≈ 250 MB, `-Xmx384m`), pooled
-and reused by the resource manager. The reward is the package's score scaled to [0, 1] (`scienceworld_reward`);
-GRPO compares the chains of each task.
-
-Defaults follow AgentFly's multi-turn GRPO recipe (a ReAct agent, up to 20 turns, 8 chains per task,
-temperature 1.0, constant small learning rate, token-mean loss, asymmetric clipping 0.2/0.28), scaled to the
-model: the tiny random Qwen2-architecture default here only exercises the pipeline (no pretrained weights exist
-on this machine); set `model.hf_path` and `tokenizer.path` to a Qwen2.5-Instruct checkpoint for a real run, and
-`envs.scienceworld.max_size` to the CPU cores available for JVMs.
+Rows are (task, variation) pairs of the simulator's train / test variations (`env.options.task_names`: "all",
+"eval" or comma-separated names); the question is the task description. The agent calls
+`scienceworld_step(action)` and `scienceworld_valid_actions()` on its own simulator (one JVM each, pooled); the
+reward is the simulator's score / 100. Defaults follow AgentFly's multi-turn GRPO recipe; the tiny random
+policy only exercises the pipeline.
 """
-import ml_collections
+from experiments.common import agentfly_grpo, base, cpu_plumbing, tiny_policy
 
-from agentfly_jax.trainer import builders
-from environments.scienceworld import SYSTEM_PROMPT
-from environments.scienceworld import train_eval_tasks as scienceworld_tasks
-
-# The "scienceworld" task family (builders looks families up by name; experiments add their own).
-builders.TASK_FAMILIES.setdefault("scienceworld", scienceworld_tasks)
 
 def get_config(arg: str | None = None):
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.workdir = "runs/scienceworld_grpo"
-    c.algorithm = "grpo"
-    c.resume = False
-    c.progress = True
-    c.log_every = 1
-    c.seq_buckets = (2048, 4096, 8192)  # packed row lengths (tokens)
-    c.row_bucket = 8
-
-    c.task = ml_collections.ConfigDict(dict(kind="scienceworld", num_train=600, num_eval=60, task_names="all", eval_split="test"))
-    c.tokenizer = ml_collections.ConfigDict(dict(kind="qwen2.5", path=""))
-    c.chat_template = "qwen2.5"
-    c.model = ml_collections.ConfigDict(dict(hf_path="", family="qwen2", hidden_size=128, intermediate_size=384,
-                                             num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
-                                             tie_word_embeddings=True, max_position_embeddings=8192,
-                                             dtype="float32"))
-
-    c.agent = ml_collections.ConfigDict(dict(
-        type="react",
-        tools=("environments.scienceworld.tools:scienceworld_step",
-               "environments.scienceworld.tools:scienceworld_valid_actions"),
-        reward="environments.scienceworld.tools:scienceworld_reward", success_threshold=1.0, max_turns=20,
-        max_new_tokens=256, max_context_tokens=8192, temperature=1.0, top_p=1.0, top_k=-1,
-        max_observation_chars=4000, system_prompt=SYSTEM_PROMPT))
-    # One simulator (JVM) per chain, reused across episodes; a crashed JVM is replaced inside its instance.
-    c.envs = ml_collections.ConfigDict({"scienceworld": dict(
-        factory="environments.scienceworld.env:ScienceWorldEnv",
-        kwargs=dict(jvm_options="-Xmx384m -XX:+UseSerialGC", max_steps=100),
-        min_size=0, max_size=16, idle_timeout=600.0, acquire_timeout=600.0, create_timeout=120.0)})
-
-    c.backend = "jax"
-    c.jax_sampler = ml_collections.ConfigDict(dict(max_slots=64, max_len=8192))
-    c.vllm = ml_collections.ConfigDict(dict(urls=(), weight_sync="memory", launch=False, num_servers=1,
-                                            server_args=()))  # launch: see experiments/quickstart.py
-
-    c.sft = ml_collections.ConfigDict(dict(stages=(), steps=0, tool_fraction=1.0, batch_size=16, data_path="",
-                                           optimizer=dict(learning_rate=1e-5, warmup_steps=10, decay_steps=0,
-                                                          schedule="constant", weight_decay=0.0)))
-    c.rl = ml_collections.ConfigDict(dict(steps=200, tasks_per_step=8, chains_per_task=8, ppo_epochs=1,
-                                          mini_batches=2, micro_batches=2))
-    c.optimizer = ml_collections.ConfigDict(dict(learning_rate=1e-6, warmup_steps=5, decay_steps=0,
-                                                 schedule="constant", weight_decay=0.0, max_grad_norm=1.0))
-    c.critic_optimizer = ml_collections.ConfigDict(dict(learning_rate=1e-5, warmup_steps=0, max_grad_norm=1.0))
-    c.loss = ml_collections.ConfigDict(dict(agg="token-mean", clip_eps=0.2, clip_eps_high=0.28, dual_clip=None,
-                                            kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, temperature=1.0,
-                                            logprob_chunk=None, is_cap=None, value_clip_eps=0.2, value_coef=1.0))
-    c.advantage = ml_collections.ConfigDict(dict(gamma=1.0, lam=1.0, normalize_std=True, kl_coef=0.0))
-
-    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
-    c.sharding_rules = ()
-    c.checkpoint = ml_collections.ConfigDict(dict(every=20, keep=2))
-    c.eval = ml_collections.ConfigDict(dict(every=20, num_tasks=64, num_chains=1, temperature=0.0,
-                                            top_p=1.0, sampled_chains=1))
+    c = base("runs/scienceworld_grpo", "scienceworld", task_names="all", max_steps=100, pool_size=16)
+    agentfly_grpo(c)
+    c.task.update(dict(num_train=600, num_eval=60, eval_split="test"))
+    tiny_policy(c, max_position_embeddings=8192)
+    c.seq_buckets = (2048, 4096, 8192)
+    c.agent.update(dict(max_turns=20, max_new_tokens=256, max_context_tokens=8192, max_observation_chars=4000))
+    c.jax_sampler.update(dict(max_slots=64, max_len=8192))
+    if arg == "cpu":  # two steps of one task on 2 simulators
+        c.env.options.update(dict(task_names="boil", pool_size=2))
+        cpu_plumbing(c, buckets=(512, 1024))
+        c.rl.update(dict(steps=2, tasks_per_step=1))
+        c.task.update(dict(num_train=4, num_eval=2))
+        c.eval.update(dict(num_tasks=1, every=0))
+        c.agent.max_new_tokens = 16
+        c.jax_sampler.max_slots = 2
+    elif arg:
+        raise ValueError(f"experiments/scienceworld_grpo.py takes no argument or 'cpu', got {arg!r}")
     return c

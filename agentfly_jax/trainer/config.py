@@ -72,8 +72,11 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSection:
-    path: str = ""  # an HF tokenizer directory
-    kind: str = knob("", *_one_of("", "env", "qwen2.5"))  # "env": the environment's own tokenizer
+    """An HF tokenizer directory (`path`, e.g. the checkpoint's), or, when no path is given, a built one
+    (`kind`: "env" the environment's own, "qwen2.5" the offline Qwen2.5 tokenizer)."""
+
+    path: str = ""
+    kind: str = knob("", *_one_of("", "env", "qwen2.5"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,8 +305,6 @@ class TrainConfig:
             if not self.vllm.launch and not self.vllm.urls:
                 raise ConfigError("config.backend='vllm' needs config.vllm.urls (e.g. "
                                   "\"('http://127.0.0.1:8000',)\") or config.vllm.launch=True")
-        if self.tokenizer.path and self.tokenizer.kind:
-            raise ConfigError("set config.tokenizer.path or config.tokenizer.kind, not both")
         if not self.tokenizer.path and not self.tokenizer.kind:
             raise ConfigError("set config.tokenizer.path (an HF tokenizer directory) or config.tokenizer.kind "
                               "('env': the environment's own, 'qwen2.5': the offline Qwen2.5 tokenizer)")

@@ -1,16 +1,16 @@
-"""The WebShop and search experiment configs wire up: task rows, tools and reward by import path, and the
-resource manager of `config.envs`; a ToolCallingAgent built from each config by the trainer's builders runs
-chains end to end (a scripted model writes the oracle's tool calls in Qwen2.5's format), reward 1.0.
+"""The WebShop and search experiment configs wire up through their environment plugins (`config.env`): task
+rows, tools, reward and the resource manager of the spec's pools; a ToolCallingAgent built from each config by
+the trainer's builders runs chains end to end (a scripted model writes the oracle's tool calls in Qwen2.5's
+format), reward 1.0.
 
-The ALFWorld and ScienceWorld configs train: the CPU plumbing-check command of each config's docstring runs two
-GRPO steps of the tiny random model through `python -m agentfly_jax.train`, on the real engines' pools."""
+The ALFWorld and ScienceWorld configs train: each config's `:cpu` variant runs two GRPO steps of the tiny random
+model through `python -m agentfly_jax.train`, on the real engines' pools."""
 
-import ast
 import asyncio
-import importlib.util
+import dataclasses
+import importlib
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +19,7 @@ import pytest
 
 from agentfly_jax.envs import ResourceManager
 from agentfly_jax.trainer import builders
+from agentfly_jax.trainer.config import TrainConfig
 from agentfly_jax.trainer.metrics import read_scalars
 from environments.search.evaluation import _answer_shown
 from environments.webshop import Goal
@@ -30,11 +31,24 @@ from tests.rollout.fakes import FakeScriptedBackend, tool_call_text
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_config(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+def load_config(name, **overrides):
+    """experiments/<name>.py's config, typed, with `overrides` ({"section.key": value}) applied first."""
+    config = importlib.import_module(f"experiments.{name}").get_config()
+    for key, value in overrides.items():
+        section, _, field = key.rpartition(".")
+        node = config
+        for part in section.split("."):
+            node = node[part]
+        node[field] = value
+    return TrainConfig.build(config)
+
+
+def build_agent(config, backend, tokenizer):
+    """(agent, train rows, held-out rows) as the trainer builds them, with the spec's pools in a manager."""
+    setup = builders.build_task_setup(config)
+    train, heldout = builders.build_tasks(config, setup)
+    agent = builders.build_agent(config, setup, backend, tokenizer, env_provider=builders.build_env_manager(setup))
+    return agent, train, heldout
 
 
 def last_tool_output(prompt_text: str) -> str:
@@ -47,10 +61,7 @@ def last_tool_output(prompt_text: str) -> str:
 @pytest.mark.slow
 def test_webshop_grpo_config_runs_oracle_chains(qwen_tokenizer):  # noqa: F811
     config = load_config("webshop_grpo")
-    train, heldout = builders.build_tasks(config)
-    assert len(heldout) == 64 and len(train) > 500
-    goals = {row["instruction"]: Goal.from_dict(row["goal"]) for row in heldout}
-    shoppers = {}
+    shoppers, goals = {}, {}
 
     def script(prompt):
         instruction = prompt.question.split("Instruction: ", 1)[1].split("\n", 1)[0]
@@ -65,7 +76,9 @@ def test_webshop_grpo_config_runs_oracle_chains(qwen_tokenizer):  # noqa: F811
         return tool_call_text("webshop_click", {"target": argument})
 
     backend = FakeScriptedBackend(qwen_tokenizer, script)
-    agent = builders.build_agent(config, backend, qwen_tokenizer)
+    agent, train, heldout = build_agent(config, backend, qwen_tokenizer)
+    assert len(heldout) == 64 and len(train) > 500
+    goals.update({row["instruction"]: Goal.from_dict(row["goal"]) for row in heldout})
     assert isinstance(agent.env_provider, ResourceManager) and agent.env_provider.pool_names == ["webshop"]
     assert (
         sorted(agent.tools) == ["webshop_click", "webshop_search"]
@@ -86,9 +99,7 @@ def test_webshop_grpo_config_runs_oracle_chains(qwen_tokenizer):  # noqa: F811
 @pytest.mark.slow
 def test_search_reinforce_pp_config_runs_oracle_chains(qwen_tokenizer):  # noqa: F811
     config = load_config("search_reinforce_pp")
-    train, heldout = builders.build_tasks(config)
-    assert len(heldout) == 64 and len(train) > 5000
-    rows = {row["question"]: row for row in heldout}
+    rows = {}
 
     def script(prompt):
         row = rows[prompt.question]
@@ -101,7 +112,9 @@ def test_search_reinforce_pp_config_runs_oracle_chains(qwen_tokenizer):  # noqa:
         return f"<answer>{shown or 'unknown'}</answer>"
 
     backend = FakeScriptedBackend(qwen_tokenizer, script)
-    agent = builders.build_agent(config, backend, qwen_tokenizer)
+    agent, train, heldout = build_agent(config, backend, qwen_tokenizer)
+    assert len(heldout) == 64 and len(train) > 5000
+    rows.update({row["question"]: row for row in heldout})
     assert list(agent.tools) == ["search"] and agent.reward_fn.name == "qa_exact_match"
 
     async def main():
@@ -112,7 +125,7 @@ def test_search_reinforce_pp_config_runs_oracle_chains(qwen_tokenizer):  # noqa:
 
     trajectories = asyncio.run(main())
     assert sum(t.reward for t in trajectories) == 16, [t.reward_extras for t in trajectories]
-    assert json.dumps(config.to_dict())  # the config serialises (the trainer writes config.json)
+    assert json.dumps(dataclasses.asdict(config))  # the config serialises (the trainer writes config.json)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,15 +148,13 @@ def test_react_config_plays_expert_plans_through_its_tools_and_pool(name, pool, 
     pytest.importorskip(pool, reason="needs the envs extra: pip install -e '.[envs]'")
     from environments.evaluation import render_react_turn
 
-    config = load_config(name)
-    config.task.num_train, config.task.num_eval = 4, 2
+    overrides = {"task.num_train": 4, "task.num_eval": 2}
     if pool == "scienceworld":  # two tasks with short gold paths (the held-out rows take one of each)
-        config.task.task_names = "lifespan-longest-lived,find-plant"
-    train, heldout = builders.build_tasks(config)
-    assert len(train) == 4 and len(heldout) == 2
-    rows = heldout[:2]
-    plans = {row["question"]: _expert_plan(pool, row) for row in rows}
-    assert len(plans) == 2 and all(0 < len(p) < config.agent.max_turns for p in plans.values())
+        overrides["env.options.task_names"] = "lifespan-longest-lived,find-plant"
+    else:
+        overrides.update({"env.options.num_train_games": 4, "env.options.num_test_games": 2})
+    config = load_config(name, **overrides)
+    plans = {}
     step_tool = f"{pool}_step"
 
     def script(prompt):
@@ -154,7 +165,11 @@ def test_react_config_plays_expert_plans_through_its_tools_and_pool(name, pool, 
         return render_react_turn(None, "Done.", prompt.turn)
 
     backend = FakeScriptedBackend(qwen_tokenizer, script)
-    agent = builders.build_agent(config, backend, qwen_tokenizer)
+    agent, train, heldout = build_agent(config, backend, qwen_tokenizer)
+    assert len(train) == 4 and len(heldout) == 2
+    rows = heldout[:2]
+    plans.update({row["question"]: _expert_plan(pool, row) for row in rows})
+    assert len(plans) == 2 and all(0 < len(p) < config.agent.max_turns for p in plans.values())
     assert isinstance(agent.env_provider, ResourceManager) and agent.env_provider.pool_names == [pool]
     assert step_tool in agent.tools and agent.reward_fn.name == f"{pool}_reward"
 
@@ -168,18 +183,6 @@ def test_react_config_plays_expert_plans_through_its_tools_and_pool(name, pool, 
     assert [t.reward for t in trajectories] == [1.0, 1.0], [t.reward_extras for t in trajectories]
     assert [t.tool_calls for t in trajectories] == [len(plans[row["question"]]) for row in rows]
     assert all(t.finish_reason == "stop" and not t.metrics.get("tool_errors") for t in trajectories)
-
-
-def plumbing_check_args(name: str) -> list[str]:
-    """The `--config...` arguments of the command marked "# CPU plumbing check" in experiments/<name>.py's
-    docstring, so the test runs exactly what the docstring tells users to run."""
-    doc = ast.get_docstring(ast.parse((ROOT / "experiments" / f"{name}.py").read_text()))
-    commands = doc.replace("\\\n", " ").splitlines()
-    marked = [c for c in commands if "# CPU plumbing check" in c]
-    assert len(marked) == 1, f"experiments/{name}.py's docstring needs one command marked '# CPU plumbing check'"
-    argv = shlex.split(marked[0], comments=True)
-    assert argv[:5] == ["python", "-m", "agentfly_jax.train", "--config", f"experiments/{name}.py"], argv
-    return argv[3:]
 
 
 def run_train(args: list[str], workdir: Path) -> dict:
@@ -196,15 +199,15 @@ def run_train(args: list[str], workdir: Path) -> dict:
 @pytest.mark.parametrize("name, pool", [("alfworld_grpo", "alfworld"), ("scienceworld_grpo", "scienceworld")])
 def test_plumbing_check_trains_two_grpo_steps_on_the_env_pool(name, pool, tmp_path):
     pytest.importorskip(pool, reason="needs the envs extra: pip install -e '.[envs]'")
-    args = plumbing_check_args(name)
-    steps, chains = 2, 2  # what the docstring's command asks for (1 task x 2 chains a step)
-    assert f"--config.rl.steps={steps}" in args and "--config.rl.tasks_per_step=1" in args
-    summary = run_train(args, tmp_path)
+    steps, chains = 2, 2  # what the :cpu variant asks for (1 task x 2 chains a step)
+    cpu = TrainConfig.build(importlib.import_module(f"experiments.{name}").get_config("cpu"))
+    assert (cpu.rl.steps, cpu.rl.tasks_per_step * cpu.rl.chains_per_task) == (steps, chains)
+    summary = run_train(["--config", f"experiments/{name}.py:cpu"], tmp_path)
     assert summary["algorithm"] == "grpo" and summary["steps"] == steps and summary["backend"] == "jax"
     assert 0.0 <= summary["success_before"] <= 1.0 and 0.0 <= summary["success_after"] <= 1.0
     assert (Path(summary["final_policy"]) / "model.safetensors").is_file()
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["task"]["kind"] == pool and list(config["envs"]) == [pool]
+    assert config["env"]["name"] == pool and config["envs"] == {}  # the pool comes from the env plugin
 
     scalars = read_scalars(str(tmp_path / "tensorboard"))
     expected = ["reward/mean", "success/rate", "rollout/tool_calls_mean", "rollout/turns_mean",
