@@ -113,10 +113,25 @@ def test_quickstart_on_the_vllm_server_improves_reward(tmp_path):
 
 
 def test_unknown_eval_keys_are_refused(tmp_path):
+    from agentfly_jax.trainer.config import ConfigError
     from agentfly_jax.trainer.loop import setup
     from experiments.quickstart import get_config
 
     config = get_config()
     config.eval.greedy = True  # an old key: must not be silently ignored
-    with pytest.raises(ValueError, match=r"unknown config.eval keys \['greedy'\]"):
+    with pytest.raises(ConfigError, match=r"config.eval.greedy: unknown key"):
         setup(config, str(tmp_path))
+    assert not os.path.exists(tmp_path / "config.json")  # refused before the run wrote anything
+
+
+@pytest.mark.slow
+def test_kl_knob_under_a_recipe_that_ignores_it_is_refused_before_any_work(tmp_path):
+    """advantage.kl_in_reward_coef has no effect under GRPO (its estimator takes no per-token rewards): the
+    trainer says so in one line, before it builds a model or copies reference weights."""
+    proc = subprocess.run([sys.executable, "-m", "agentfly_jax.train", "--config", "experiments/quickstart.py",
+                           f"--config.workdir={tmp_path}", "--config.advantage.kl_in_reward_coef=0.1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "config.advantage.kl_in_reward_coef" in lines[0] and "'grpo'" in lines[0], lines
+    assert not os.path.exists(tmp_path / "config.json")
