@@ -1,24 +1,17 @@
 """Evaluating an agent on an environment's held-out tasks, through the real tool + reward + pool pipeline.
 
-The contract every environment package follows (`scripts/eval_env.py --env NAME` relies on it):
+Every environment describes itself with an `agentfly_jax.envs.spec.EnvSpec` (its factory
+`env_spec(**options)`, found by `load_env_spec(name, options)`; `scripts/eval_env.py --env NAME` relies on
+it). What an evaluation reads from the spec:
 
-    # environments/<NAME>/__init__.py
-    def eval_spec(**options) -> environments.evaluation.EvalSpec: ...
-
-`EvalSpec` says everything an evaluation needs:
-
-- `tasks(split, num, seed) -> list[dict]`: dataset rows of a split ("train", "dev", "test", as the
-  environment defines them). Every row has a non-empty `question` (what the agent is asked) plus the fields
-  the environment's `reset(task)`, tools and reward read (e.g. `task_name`/`variation`, `game_file`).
-  Deterministic in `seed`.
-- `tools`: the Tool objects the agent may call (stateful tools name their pool).
-- `reward`: the @reward function scoring a finished chain (environment-backed rewards name their pool).
-- `pools`: {pool name: ResourceManager pool config dict} for every pool the tools and reward use.
-- `oracle_policy(task, rng)` and `random_policy(task, rng)`: scripted policies (see below). The oracle must
-  solve every task (success 1.0 is the check that tools, environment and reward agree); the random one is
-  the floor.
-- `system_prompt`: the instructions a model agent gets (the ReAct agent appends the tool list and format).
-- `max_turns`: assistant turns per chain; `success_threshold`: reward at or above which a chain succeeded.
+- `split_tasks(split, num, seed)`: dataset rows of a split (`num <= 0`: all of it). Every row has a
+  non-empty `question` plus the fields the environment's `reset(task)`, tools and reward read.
+- `tools`, `reward`, `pools`: the @tool objects, the @reward scoring a finished chain and
+  {pool name: ResourceManager pool config} for every pool they use.
+- `oracle_policy(task, rng)` and `random_policy(task, rng)`: scripted policies (see below; None when the
+  environment has none). The oracle must solve every task (success 1.0 is the check that tools,
+  environment and reward agree); the random one is the floor.
+- `system_prompt`, `max_turns`, `success_threshold`, `max_observation_chars`.
 
 A scripted policy is a generator function `policy(task, rng)` that yields tool calls
 `{"name": tool_name, "arguments": {...}}`, receives the observation text of each call back from `yield`
@@ -30,10 +23,11 @@ A scripted policy is a generator function `policy(task, rng)` that yields tool c
 
 `scripted_calls(calls, final_answer)` builds one from a fixed list of calls.
 
-Scripted policies run as agents like any model does: `ScriptedAgent` (a ReactAgent) writes each call as a
-ReAct turn, `ScriptedBackend` turns that text into "sampled" token ids, and the rollout parses the turn,
-runs the tool on the chain's pooled environment, feeds the observation back and scores the chain with the
-reward — exactly the path a model agent takes. Only the sampling is scripted.
+Scripted policies run as agents like any model does: `ScriptedAgent` (a ReactAgent, whatever `spec.agent`
+says: the script only needs some parseable turn format) writes each call as a ReAct turn,
+`ScriptedBackend` turns that text into "sampled" token ids, and the rollout parses the turn, runs the tool
+on the chain's pooled environment, feeds the observation back and scores the chain with the reward —
+exactly the path a model agent takes. Only the sampling is scripted.
 
 `evaluate(spec, agent, tasks, ...)` runs any agent on tasks with a ResourceManager built from
 `spec.pools` and summarises: success rate, mean reward, turns, tool calls and tool errors per chain, tool
@@ -44,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import inspect
 import json
 import random
@@ -53,54 +46,10 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 from agentfly_jax.envs import ResourceManager
-from agentfly_jax.rewards.decorator import Reward
+from agentfly_jax.envs.spec import EnvSpec, ScriptedPolicy
 from agentfly_jax.rollout.agents.react import ReactAgent
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.tools.decorator import Tool
 from agentfly_jax.tools.execute import ToolResult
-
-#: A scripted policy: yields tool calls, receives each call's observation, returns the final answer.
-ScriptedPolicy = Callable[[Mapping[str, Any], random.Random], Generator[dict, str, "str | None"]]
-
-SPLITS = ("train", "dev", "test")
-
-
-@dataclasses.dataclass
-class EvalSpec:
-    """Everything needed to evaluate agents on one environment; see the module docstring."""
-
-    name: str
-    tasks: Callable[[str, int, int], list[dict]]
-    tools: list[Tool]
-    reward: Reward
-    pools: dict[str, dict]
-    oracle_policy: ScriptedPolicy
-    random_policy: ScriptedPolicy
-    system_prompt: str
-    max_turns: int = 30
-    success_threshold: float = 1.0
-    #: longest observation (characters) a tool call returns to the agent
-    max_observation_chars: int = 8192
-
-    def __post_init__(self):
-        where = f"EvalSpec {self.name!r}"
-        for tool in self.tools:
-            if not isinstance(tool, Tool):
-                raise TypeError(f"{where}: tools must be @tool objects, got {tool!r}")
-            if tool.stateful and tool.pool not in self.pools:
-                raise ValueError(
-                    f"{where}: tool '{tool.name}' uses pool '{tool.pool}' but pools has {sorted(self.pools)}; "
-                    "add a pool config for it"
-                )
-        if not isinstance(self.reward, Reward):
-            raise TypeError(f"{where}: reward must be a @reward function, got {self.reward!r}")
-        if self.reward.needs_env and self.reward.pool not in self.pools:
-            raise ValueError(
-                f"{where}: reward '{self.reward.name}' uses pool '{self.reward.pool}' but pools has "
-                f"{sorted(self.pools)}"
-            )
-        if self.max_turns < 1:
-            raise ValueError(f"{where}: max_turns={self.max_turns}; expected at least 1")
 
 
 def scripted_calls(calls: Sequence[Mapping[str, Any]], final_answer: str | None = None) -> Generator:
@@ -244,12 +193,15 @@ def scripted_tokenizer():
     return build_qwen2_5_tokenizer()
 
 
-def scripted_agent(spec: EvalSpec, which: str, env_provider: Any, *, tokenizer: Any = None, seed: int = 0,
+def scripted_agent(spec: EnvSpec, which: str, env_provider: Any, *, tokenizer: Any = None, seed: int = 0,
                    **agent_options: Any) -> ScriptedAgent:
     """The oracle or random agent of `spec` (which: "oracle" | "random"), wired to `env_provider`."""
     policies = {"oracle": spec.oracle_policy, "random": spec.random_policy}
     if which not in policies:
         raise ValueError(f"unknown scripted agent {which!r}; expected one of {sorted(policies)}")
+    if policies[which] is None:
+        raise ValueError(f"environment {spec.name!r} has no {which} policy (its EnvSpec.{which}_policy is None); "
+                         f"evaluate a model agent instead, or give the spec a {which}_policy")
     tokenizer = tokenizer if tokenizer is not None else scripted_tokenizer()
     options = dict(
         tools=spec.tools,
@@ -296,7 +248,7 @@ def summarize(trajectories: Sequence[Any], success_threshold: float) -> dict[str
     }
 
 
-async def evaluate(spec: EvalSpec, make_agent: Callable[[ResourceManager], Any], tasks: Sequence[dict], *,
+async def evaluate(spec: EnvSpec, make_agent: Callable[[ResourceManager], Any], tasks: Sequence[dict], *,
                    num_chains: int = 1, seed: int = 0, pool_overrides: Mapping[str, Mapping] | None = None,
                    progress: bool = False, timeout: float | None = None) -> dict[str, Any]:
     """Runs the agent `make_agent(manager)` on `tasks` with pools from `spec.pools`; returns the summary.

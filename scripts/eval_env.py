@@ -1,17 +1,23 @@
 """Evaluate an agent on an environment's held-out tasks: success, mean reward, turns and tool errors.
 
     .venv/bin/python scripts/eval_env.py --env scienceworld --agent oracle --num 4
-    .venv/bin/python scripts/eval_env.py --env alfworld --agent random --num 12 --seed 1 --json out.json
+    .venv/bin/python scripts/eval_env.py --env code_interpreter --agent oracle --num 16
+    .venv/bin/python scripts/eval_env.py --env alfworld --agent random --num 12 --seed 1 --json out.json \
+        --option num_train_games=12 --option num_test_games=12     # a small suite (default: 240 + 60 games)
+    .venv/bin/python scripts/eval_env.py --env my_package.my_env:env_spec --agent oracle --option size=3
     .venv/bin/python scripts/eval_env.py --env alfworld --agent model --backend jax --model runs/x/final_policy \
         --chat-template qwen2.5
     .venv/bin/python scripts/eval_env.py --env scienceworld --agent model --backend vllm \
         --model runs/x/final_policy --chat-template qwen2.5 --vllm-url http://127.0.0.1:8000
 
-`--env NAME` imports `environments.NAME` and calls its `eval_spec(**options)` (options from `--option k=v`,
-values parsed as JSON when they parse). The agent runs through the real rollout: tools on pooled
-environments (ResourceManager), the environment's reward. `oracle` and `random` are scripted agents (the
-environment's oracle and random policies, see environments/evaluation.py); `model` is a ReAct agent sampling
-from a checkpoint (embedded JAX sampler or a vLLM server).
+`--env NAME` loads the environment's EnvSpec with `agentfly_jax.envs.spec.load_env_spec(NAME, options)`: a
+registered name (the `agentfly_jax.environments` entry points: arithmetic, code_interpreter, webshop, search,
+alfworld, scienceworld; or `register_env`) or an import path `package.module:env_spec`; options come from
+`--option k=v` (values parsed as JSON when they parse). The agent runs through the real rollout: tools on
+pooled environments (ResourceManager), the environment's reward. `oracle` and `random` are scripted agents
+(the environment's oracle and random policies, see environments/evaluation.py); `model` samples from a
+checkpoint (embedded JAX sampler or a vLLM server) with the agent type the environment's prompt is written for
+(`spec.agent`: tool_calling, react, code, or an import path `package.module:AgentClass`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runnable from a checkout
 
-from environments.evaluation import EvalSpec, evaluate, scripted_agent  # noqa: E402
+from agentfly_jax.envs.spec import EnvSpec, load_env_spec  # noqa: E402
+from environments.evaluation import evaluate, scripted_agent  # noqa: E402
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -43,18 +50,27 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
-def load_spec(name: str, options: dict) -> EvalSpec:
-    """`environments.<name>.eval_spec(**options)`, with errors that say what is missing."""
+def load_spec(name: str, options: dict) -> EnvSpec:
+    """`load_env_spec(name, options)`, its errors (unknown environment, unknown option) as command-line errors."""
     try:
-        module = importlib.import_module(f"environments.{name}")
-    except ModuleNotFoundError as error:
-        raise SystemExit(f"--env {name!r}: cannot import environments.{name} ({error})") from error
-    if not hasattr(module, "eval_spec"):
-        raise SystemExit(f"--env {name!r}: environments.{name} has no eval_spec(**options) function")
-    spec = module.eval_spec(**options)
-    if not isinstance(spec, EvalSpec):
-        raise SystemExit(f"environments.{name}.eval_spec() returned {type(spec).__name__}, not an EvalSpec")
-    return spec
+        return load_env_spec(name, options)
+    except ValueError as error:
+        raise SystemExit(f"--env {name!r}: {error}") from error
+
+
+def agent_class(spec: EnvSpec):
+    """The agent class `spec.agent` names: a built-in type or an import path 'package.module:AgentClass'."""
+    from agentfly_jax.rollout import agents
+
+    builtin = {"tool_calling": agents.ToolCallingAgent, "react": agents.ReactAgent, "code": agents.CodeAgent}
+    if spec.agent in builtin:
+        return builtin[spec.agent]
+    module_name, _, attr = spec.agent.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise SystemExit(f"environment {spec.name!r} names agent {spec.agent!r}, which cannot be imported "
+                         f"({error}); expected one of {sorted(builtin)} or 'package.module:AgentClass'") from error
 
 
 # Model types whose tokenizers transformers may need to correct (its `fix_mistral_regex` check).
@@ -72,12 +88,13 @@ def _tokenizer_options(model_dir: str) -> dict:
     return {"fix_mistral_regex": False}
 
 
-def model_agent_factory(spec: EvalSpec, args):
-    """A ReAct agent over a checkpoint (JAX sampler or vLLM server) for `evaluate`."""
+def model_agent_factory(spec: EnvSpec, args):
+    """The spec's agent type over a checkpoint (JAX sampler or vLLM server) for `evaluate`."""
     from transformers import AutoTokenizer
 
     from agentfly_jax.models import load_pretrained
-    from agentfly_jax.rollout.agents import ReactAgent
+
+    cls = agent_class(spec)
 
     if not args.model:
         raise SystemExit("--agent model needs --model PATH (a Hugging Face checkpoint directory)")
@@ -102,18 +119,19 @@ def model_agent_factory(spec: EvalSpec, args):
         backend = VLLMBackend(args.vllm_url, model)
 
     def make(manager):
-        return ReactAgent(backend, tokenizer, tools=spec.tools, reward_fn=spec.reward,
-                          chat_template=args.chat_template or None, system_prompt=spec.system_prompt,
-                          env_provider=manager, max_turns=args.max_turns or spec.max_turns,
-                          max_new_tokens=args.max_new_tokens, max_context_tokens=args.max_context,
-                          temperature=args.temperature, max_observation_chars=spec.max_observation_chars)
+        return cls(backend, tokenizer, tools=spec.tools, reward_fn=spec.reward,
+                   chat_template=args.chat_template or None, system_prompt=spec.system_prompt,
+                   env_provider=manager, max_turns=args.max_turns or spec.max_turns,
+                   max_new_tokens=args.max_new_tokens, max_context_tokens=args.max_context,
+                   temperature=args.temperature, max_observation_chars=spec.max_observation_chars)
 
     return make, backend
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--env", required=True, help="environment package under environments/ (e.g. alfworld)")
+    parser.add_argument("--env", required=True,
+                        help="a registered environment (e.g. alfworld) or an import path 'package.module:env_spec'")
     parser.add_argument("--agent", choices=("oracle", "random", "model"), default="oracle")
     parser.add_argument("--backend", choices=("jax", "vllm"), default="jax", help="for --agent model")
     parser.add_argument("--model", default="", help="HF checkpoint directory, for --agent model")
@@ -128,14 +146,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-context", type=int, default=8192)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--pool-size", type=int, default=0, help="max instances per pool (0: the spec's)")
-    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE passed to eval_spec()")
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE passed to the env_spec() factory")
     parser.add_argument("--json", default="", help="write the full summary (with per-task rows) here")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     spec = load_spec(args.env, parse_options(args.option))
-    tasks = spec.tasks(args.split, args.num, args.seed)
+    policy = {"oracle": spec.oracle_policy, "random": spec.random_policy}.get(args.agent)
+    if args.agent != "model" and policy is None:
+        raise SystemExit(f"--agent {args.agent}: environment {spec.name!r} has no {args.agent} policy; "
+                         "evaluate a checkpoint with --agent model instead")
+    try:
+        tasks = spec.split_tasks(args.split, args.num, args.seed)
+    except ValueError as error:
+        raise SystemExit(f"--split {args.split} --num {args.num}: {error}") from error
     backend = None
     if args.agent == "model":
         make_agent, backend = model_agent_factory(spec, args)
@@ -148,12 +173,17 @@ def main(argv=None) -> dict:
     pool_overrides = {name: {"max_size": args.pool_size} for name in spec.pools} if args.pool_size else None
 
     async def run():
+        from agentfly_jax.envs.sandbox import close_sandboxes
+
         try:
             return await evaluate(spec, make_agent, tasks, num_chains=args.chains, seed=args.seed,
                                   pool_overrides=pool_overrides, progress=args.progress)
         finally:
             if backend is not None:
                 await backend.close()
+            # Code sandboxes (a code_interpreter pool) finish their slot releases on this loop, before
+            # asyncio.run closes it; nothing happens for environments without one.
+            await close_sandboxes()
 
     summary = asyncio.run(run())
     summary.update(agent=args.agent, split=args.split, seed=args.seed)

@@ -1,6 +1,7 @@
 """ALFWorld on its real engine (TextWorld's PDDL engine with ALFWorld's domain, grammar, demangler and
 admissible commands): `ALFWorldEnv`, the task-suite builder (`python -m environments.alfworld.build`), the
-`alfworld_step` / `alfworld_admissible_commands` tools, the `alfworld_reward`, and `eval_spec`.
+`alfworld_step` / `alfworld_admissible_commands` tools, the `alfworld_reward`, and `env_spec` (the environment's
+EnvSpec).
 
     from environments.alfworld import ALFWorldEnv
     env = ALFWorldEnv()
@@ -116,23 +117,40 @@ def random_policy(task, rng, steps: int = 25):
     return "Done."
 
 
-def eval_spec(*, suite_dir: str = "", max_steps: int = 50, max_turns: int = 51, pool_size: int = 4,
-              random_steps: int = 25):
-    """The evaluation spec (environments/evaluation.py).
+def env_spec(*, suite_dir: str = "", num_train_games: int = 240, num_test_games: int = 60, max_steps: int = 50,
+             max_turns: int = 51, pool_size: int = 4, random_steps: int = 25):
+    """The ALFWorld environment's spec.
 
-    suite_dir: a built suite (DIR with manifest.json); default: generate one per seed under the user cache.
+    suite_dir: a built suite (DIR with manifest.json, `python -m environments.alfworld.build`). Without it, each
+    seed has its own generated suite of `num_train_games` train and `num_test_games` held-out games, built on
+    first use (≈ 0.6 s a game) and cached under ~/.cache/agentfly_jax/alfworld: the held-out games avoid the
+    goals of that suite's train games, so the sizes are fixed by options rather than by how many rows a call
+    asks for. max_steps: moves per game; max_turns: assistant turns per chain; pool_size: engines at once;
+    random_steps: the random policy's moves.
     """
-    from environments.evaluation import EvalSpec
+    from agentfly_jax.envs.spec import EnvSpec
+
+    if not suite_dir and (num_train_games < 1 or num_test_games < 0):
+        raise ValueError(f"num_train_games={num_train_games}, num_test_games={num_test_games}: a generated ALFWorld "
+                         "suite needs at least one train game and no negative count")
+    if suite_dir:
+        splits = tuple(s for s in ("train", "dev", "test") if any(e["split"] == s for e in load_manifest(suite_dir)))
+    else:
+        from environments.alfworld.build import official_data_dir
+
+        splits = ("train", "dev", "test") if official_data_dir() else ("train", "test")
 
     def tasks(split: str, num: int, seed: int) -> list[dict]:
-        manifest = load_manifest(suite_dir) if suite_dir else suite(num, seed)
+        manifest = load_manifest(suite_dir) if suite_dir else suite(num_train_games, seed, num_test=num_test_games)
         rows = task_rows(manifest, split)
-        if len(rows) < num:
-            raise ValueError(f"the ALFWorld suite has {len(rows)} {split} games, fewer than --num {num}")
-        return rows[:num]
+        if num > len(rows):
+            where = f"the suite in {suite_dir}" if suite_dir else "the generated suite"
+            more = "" if suite_dir else f" (raise the option num_{'train' if split == 'train' else 'test'}_games)"
+            raise ValueError(f"{where} has {len(rows)} {split} games, fewer than the {num} asked for{more}")
+        return rows if num <= 0 else rows[:num]
 
     pool = dict(POOL_CONFIG, kwargs={"max_steps": max_steps}, max_size=pool_size)
-    return EvalSpec(
+    return EnvSpec(
         name="alfworld",
         tasks=tasks,
         tools=[alfworld_step, alfworld_admissible_commands],
@@ -141,8 +159,10 @@ def eval_spec(*, suite_dir: str = "", max_steps: int = 50, max_turns: int = 51, 
         oracle_policy=oracle_policy,
         random_policy=lambda task, rng: random_policy(task, rng, random_steps),
         system_prompt=SYSTEM_PROMPT,
+        agent="react",
         max_turns=max_turns,
         success_threshold=1.0,
+        splits=splits,
     )
 
 
@@ -155,7 +175,7 @@ __all__ = [
     "alfworld_admissible_commands",
     "alfworld_reward",
     "alfworld_step",
-    "eval_spec",
+    "env_spec",
     "load_manifest",
     "oracle_policy",
     "parse_task",
@@ -163,13 +183,3 @@ __all__ = [
     "suite",
     "task_rows",
 ]
-
-
-def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[list[dict], list[dict]]:
-    """Trainer task family "alfworld": (train rows, held-out rows) from a suite (task_cfg.suite_dir, else one
-    generated per seed with num_train train and num_eval held-out games, built on first use and cached)."""
-    if task_cfg.get("suite_dir"):
-        manifest = load_manifest(task_cfg["suite_dir"])
-    else:
-        manifest = suite(task_cfg["num_train"], seed, num_test=task_cfg["num_eval"])
-    return task_rows(manifest, "train")[:task_cfg["num_train"]], task_rows(manifest, "test")[:task_cfg["num_eval"]]

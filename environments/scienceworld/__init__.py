@@ -1,5 +1,6 @@
 """ScienceWorld on its real engine: `ScienceWorldEnv` (one JVM per instance), task rows by split, the
-`scienceworld_step` / `scienceworld_valid_actions` tools, the `scienceworld_reward`, and `eval_spec`.
+`scienceworld_step` / `scienceworld_valid_actions` tools, the `scienceworld_reward`, and `env_spec` (the
+environment's EnvSpec).
 
     from environments.scienceworld import ScienceWorldEnv
     env = ScienceWorldEnv()
@@ -101,27 +102,42 @@ def random_policy(task, rng, steps: int = 20):
     return "Done."
 
 
-def eval_spec(*, task_names: str | list[str] = "eval", max_steps: int = 100, max_turns: int = 101,
-              pool_size: int = 4, random_steps: int = 20):
-    """The evaluation spec (environments/evaluation.py).
-
-    task_names: "eval" (EVAL_TASK_NAMES), "all" (the simulator's 30 tasks) or a list of names.
-    max_steps: moves per episode; max_turns: assistant turns per chain (the oracle needs gold length + 1).
-    """
-    from environments.evaluation import EvalSpec
-
+def _task_name_list(task_names: str | list[str]) -> list[str] | None:
+    """The task names an option names: "eval" (EVAL_TASK_NAMES), "all" (None: every task), comma-separated
+    names ("boil,melt") or a list."""
     if task_names == "eval":
-        names = list(EVAL_TASK_NAMES)
-    elif task_names == "all":
-        names = None
-    else:
-        names = [task_names] if isinstance(task_names, str) else list(task_names)
+        return list(EVAL_TASK_NAMES)
+    if task_names == "all":
+        return None
+    names = [n.strip() for n in task_names.split(",") if n.strip()] if isinstance(task_names, str) else list(task_names)
+    if not names:
+        raise ValueError("task_names is empty; give 'eval', 'all', comma-separated task names or a list")
+    return names
+
+
+def env_spec(*, task_names: str | list[str] = "eval", max_steps: int = 100, max_turns: int = 101,
+             pool_size: int = 4, random_steps: int = 20):
+    """The ScienceWorld environment's spec.
+
+    task_names: "eval" (EVAL_TASK_NAMES), "all" (the simulator's 30 tasks), comma-separated names
+    ("boil,melt") or a list. max_steps: moves per episode; max_turns: assistant turns per chain (the oracle
+    needs gold length + 1); pool_size: simulators (JVMs) at once; random_steps: the random policy's moves.
+
+    Rows are `TaskRows` of (task, variation) pairs of the package's train / dev / test variations, round-robin
+    over the tasks (`build_tasks`): a row's description is read from the simulator when it is first indexed,
+    so asking for thousands of rows costs nothing up front. `num <= 0` asks for every variation of the split.
+    """
+    from agentfly_jax.envs.spec import EnvSpec
+
+    names = _task_name_list(task_names)
     pool = dict(POOL_CONFIG, kwargs=dict(POOL_CONFIG["kwargs"], max_steps=max_steps), max_size=pool_size)
 
-    def tasks(split: str, num: int, seed: int) -> list[dict]:
-        return build_tasks(split, num, seed, task_names=names, with_gold=True)
+    def tasks(split: str, num: int, seed: int) -> TaskRows:
+        if num <= 0:
+            num = sum(len(variations(name, split)) for name in (names or catalog()["task_names"]))
+        return build_tasks(split, num, seed, task_names=names, lazy=True)
 
-    return EvalSpec(
+    return EnvSpec(
         name="scienceworld",
         tasks=tasks,
         tools=[scienceworld_step, scienceworld_valid_actions],
@@ -130,8 +146,10 @@ def eval_spec(*, task_names: str | list[str] = "eval", max_steps: int = 100, max
         oracle_policy=oracle_policy,
         random_policy=lambda task, rng: random_policy(task, rng, random_steps),
         system_prompt=SYSTEM_PROMPT,
+        agent="react",
         max_turns=max_turns,
         success_threshold=1.0,
+        splits=("train", "dev", "test"),
     )
 
 
@@ -149,7 +167,7 @@ __all__ = [
     "catalog",
     "choose_variations",
     "describe",
-    "eval_spec",
+    "env_spec",
     "oracle_policy",
     "parse_task",
     "random_policy",
@@ -160,25 +178,3 @@ __all__ = [
     "task_names",
     "variations",
 ]
-
-
-def train_eval_tasks(task_cfg: dict, seed: int) -> tuple[TaskRows, TaskRows]:
-    """Trainer task family "scienceworld": (train rows, held-out rows) from the package's train/test splits.
-
-    task_cfg: num_train, num_eval, task_names ("all", "eval", comma-separated names such as "boil,melt" — what
-    `--config.task.task_names=...` can set — or a list), eval_split ("test" or "dev").
-    The rows are `TaskRows`: a row's description is read from the simulator when the trainer first uses it
-    (≈ 0.15 s), so the run starts in seconds however many rows the config names.
-    """
-    names = task_cfg.get("task_names", "all")
-    if names == "all":
-        names = None
-    elif names == "eval":
-        names = list(EVAL_TASK_NAMES)
-    else:
-        names = [n.strip() for n in names.split(",") if n.strip()] if isinstance(names, str) else list(names)
-    eval_split = task_cfg.get("eval_split", "test")
-    train = build_tasks("train", task_cfg["num_train"], seed, task_names=names, lazy=True)
-    if not task_cfg["num_eval"]:
-        return train, TaskRows([], eval_split)
-    return train, build_tasks(eval_split, task_cfg["num_eval"], seed + 1, task_names=names, lazy=True)

@@ -9,11 +9,12 @@
   (`environments.search.tools`), question sets (`environments.search.questions`: generated single-hop
   questions, FanOutQA dev filtered to the corpus) and dataset rows (`environments.search.tasks`);
   rewards are the QA exact match / F1 of `agentfly_jax.rewards`.
+- `env_spec(**options)`: the environment's EnvSpec (`environments.search.evaluation`).
 """
 
 from environments.search.corpus import Document, load_corpus
 from environments.search.env import SearchEnv, create_search_env
-from environments.search.evaluation import eval_spec
+from environments.search.evaluation import env_spec
 from environments.search.index import SearchIndex
 
 #: Resource-manager pool config for this environment (override any field in the experiment config).
@@ -32,6 +33,6 @@ __all__ = [
     "SearchEnv",
     "SearchIndex",
     "create_search_env",
-    "eval_spec",
+    "env_spec",
     "load_corpus",
 ]

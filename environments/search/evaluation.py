@@ -1,9 +1,11 @@
-"""The search environment's evaluation spec (environments/evaluation.py): question rows by split, the
-`search` tool, QA exact match, the pool, and oracle / random scripted policies.
+"""The search environment's EnvSpec (agentfly_jax.envs.spec): question rows by split, the `search` tool, QA
+exact match, the pool, and oracle / random scripted policies.
 
 Splits for `question_set="generated"`: "train" (questions about train articles) and "dev" / "test" (the
 held-out articles' questions, first and second half). For "fanoutqa" / "fanoutqa_sub" every split is the
-filtered FanOutQA dev set (it is an evaluation set only).
+filtered FanOutQA dev set (it is an evaluation set only). `eval_set` gives the held-out splits their own
+question set (train on generated questions, evaluate on FanOutQA). `num` rows are a seeded sample of the split
+(`num <= 0`: all of it, in a seeded order; more than the split holds: all of it).
 """
 
 from __future__ import annotations
@@ -65,9 +67,10 @@ def random_policy(task: Mapping[str, Any], rng: random.Random):
     return rng.choice(titles) if titles else "I don't know"
 
 
-def eval_spec(
+def env_spec(
     *,
     question_set: str = "generated",
+    eval_set: str = "",
     question_types: str | list[str] = "",
     retriever: str = "bm25",
     cache: str = "",
@@ -75,19 +78,25 @@ def eval_spec(
     max_turns: int = 14,
     seed: int = 0,
 ):
-    """The evaluation spec of the search environment.
+    """The search environment's spec.
 
-    question_set: "generated", "fanoutqa" or "fanoutqa_sub". question_types: for "generated", a subset of
-    birth_year, death_year, description, cloze (comma-separated or a list; empty: all).
+    question_set: "generated", "fanoutqa" or "fanoutqa_sub"; eval_set: the question set of the "dev" and
+    "test" splits (empty: question_set). question_types: for "generated", a subset of birth_year, death_year,
+    description, cloze (comma-separated or a list; empty: all). seed: the seed the generated questions are
+    drawn with. retriever: "bm25" or "dense"; cache: the corpus/index cache directory (empty: the default).
     """
+    from agentfly_jax.envs.spec import EnvSpec
     from agentfly_jax.rewards.qa import qa_exact_match
-    from environments.evaluation import EvalSpec
     from environments.search import POOL_CONFIG
-    from environments.search.tasks import build_tasks
+    from environments.search.tasks import SETS, build_tasks
     from environments.search.tools import search
 
+    eval_set = eval_set or question_set
+    for option, value in (("question_set", question_set), ("eval_set", eval_set)):
+        if value not in SETS:
+            raise ValueError(f"{option}={value!r}; expected one of {SETS}")
     types = (
-        [t for t in question_types.split(",") if t]
+        [t.strip() for t in question_types.split(",") if t.strip()]
         if isinstance(question_types, str)
         else list(question_types)
     )
@@ -101,17 +110,19 @@ def eval_spec(
         if split not in ("train", "dev", "test"):
             raise ValueError(f"unknown search split {split!r}; expected train, dev or test")
         train, heldout = build_tasks(
-            {"train_set": question_set, "eval_set": question_set, "question_types": types, "cache": cache},
+            {"train_set": question_set, "eval_set": eval_set, "question_types": types, "cache": cache},
             seed=seed,
         )
-        rows = {"train": train, "dev": heldout[: len(heldout) // 2], "test": heldout[len(heldout) // 2 :]}[
-            split
-        ]
-        if question_set != "generated":
+        if split == "train":
+            rows = train  # for a FanOutQA question_set, its whole (evaluation-only) set
+        elif eval_set == "generated":
+            rows = heldout[: len(heldout) // 2] if split == "dev" else heldout[len(heldout) // 2 :]
+        else:
             rows = heldout
-        return random.Random(f"search-{split}-{task_seed}").sample(rows, min(num, len(rows)))
+        size = len(rows) if num <= 0 else min(num, len(rows))
+        return random.Random(f"search-{split}-{task_seed}").sample(rows, size)
 
-    return EvalSpec(
+    return EnvSpec(
         name="search",
         tasks=tasks,
         tools=[search],
@@ -120,6 +131,8 @@ def eval_spec(
         oracle_policy=oracle_policy,
         random_policy=random_policy,
         system_prompt=SYSTEM_PROMPT,
+        agent="tool_calling",
         max_turns=max_turns,
         success_threshold=1.0,
+        splits=("train", "dev", "test"),
     )

@@ -8,7 +8,8 @@ attributes, option groups, prices, and train / held-out goals with verifiable ta
 `WebShopEnv` (the async environment); the reward: `webshop_score` (pure) and the `webshop_reward` @reward;
 the tools `webshop_search` and `webshop_click` (in `environments.webshop.tools`); scripted shoppers in
 `environments.webshop.oracle`; dataset rows in `environments.webshop.tasks`; an HTTP front end in
-`environments.webshop.server`.
+`environments.webshop.server`; the environment's EnvSpec, `env_spec(**options)`, in
+`environments.webshop.evaluation`.
 """
 
 from environments.webshop.catalog import (
@@ -21,7 +22,7 @@ from environments.webshop.catalog import (
     load_official_catalog,
 )
 from environments.webshop.env import WebShopEnv, create_webshop_env
-from environments.webshop.evaluation import eval_spec
+from environments.webshop.evaluation import env_spec
 from environments.webshop.reward import type_reward, webshop_score
 from environments.webshop.shop import Shop, ShopSession, get_shop, parse_action
 
@@ -46,7 +47,7 @@ __all__ = [
     "WebShopEnv",
     "build_goals",
     "create_webshop_env",
-    "eval_spec",
+    "env_spec",
     "generate_catalog",
     "generate_products",
     "get_shop",

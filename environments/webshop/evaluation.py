@@ -1,8 +1,9 @@
-"""WebShop's evaluation spec (environments/evaluation.py): goal rows by split, the tools, the reward, the
-pool, and the oracle / random shoppers as scripted policies.
+"""WebShop's EnvSpec (agentfly_jax.envs.spec): goal rows by split, the tools, the reward, the pool, and the
+oracle / random shoppers as scripted policies.
 
 Splits: "train" (train goals) and "dev" / "test" (the held-out goals, first and second half): held-out goals
-ask for products no train goal names.
+ask for products no train goal names. `num` rows are a seeded sample of the split (`num <= 0`: all of it, in
+a seeded order; more than the split holds: all of it).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def random_policy(task: Mapping[str, Any], rng: random.Random, max_actions: int 
     return (yield from _shop_until_done(RandomShopper(rng.randrange(2**31)), max_actions))
 
 
-def eval_spec(
+def env_spec(
     *,
     source: str = "generated",
     seed: int = 0,
@@ -67,8 +68,10 @@ def eval_spec(
     pool_size: int = 64,
     random_steps: int = 15,
 ):
-    """The evaluation spec of the WebShop environment; options name the catalog (as in the task config)."""
-    from environments.evaluation import EvalSpec
+    """The WebShop environment's spec. The options name the catalog: source "generated" (seed, num_products)
+    or "official" (items_path, attributes_path, human_goals_path: the WebShop data files); the pool's shops
+    use the same catalog. max_actions: shop actions per episode; random_steps: the random shopper's actions."""
+    from agentfly_jax.envs.spec import EnvSpec
     from environments.webshop import POOL_CONFIG
     from environments.webshop.rewards import webshop_reward
     from environments.webshop.shop import get_shop
@@ -97,12 +100,12 @@ def eval_spec(
         }
         if split not in goals:
             raise ValueError(f"unknown WebShop split {split!r}; expected one of {sorted(goals)}")
-        chosen = random.Random(f"webshop-{split}-{task_seed}").sample(
-            goals[split], min(num, len(goals[split]))
-        )
+        rows = goals[split]
+        size = len(rows) if num <= 0 else min(num, len(rows))
+        chosen = random.Random(f"webshop-{split}-{task_seed}").sample(rows, size)
         return [goal_row(goal) for goal in chosen]
 
-    return EvalSpec(
+    return EnvSpec(
         name="webshop",
         tasks=tasks,
         tools=[webshop_search, webshop_click],
@@ -111,6 +114,8 @@ def eval_spec(
         oracle_policy=lambda task, rng: oracle_policy(task, rng, max_actions=max_turns - 1),
         random_policy=lambda task, rng: random_policy(task, rng, random_steps),
         system_prompt=SYSTEM_PROMPT,
+        agent="tool_calling",
         max_turns=max_turns,
         success_threshold=1.0,
+        splits=("train", "dev", "test"),
     )

@@ -1,19 +1,23 @@
-"""The evaluation contract (environments/evaluation.py) on a small in-memory environment.
+"""Evaluation (environments/evaluation.py) of an EnvSpec on a small in-memory environment, and
+scripts/eval_env.py on it through an import path.
 
 A counter environment: the task names a target; `counter_add(n)` adds n; the reward is 1 when the counter
 equals the target. The oracle adds the target in one call, the random policy adds random numbers.
 """
 
 import asyncio
+import importlib.util
+import json
 import random
+from pathlib import Path
 
 import pytest
 
 from agentfly_jax.envs import Environment, StepResult
+from agentfly_jax.envs.spec import EnvSpec
 from agentfly_jax.rewards import reward
 from agentfly_jax.tools import tool
 from environments.evaluation import (
-    EvalSpec,
     ScriptedAgent,
     evaluate,
     scripted_agent,
@@ -70,9 +74,17 @@ def _random(task, rng):
 
 
 def _spec():
-    return EvalSpec(name="counter", tasks=_tasks, tools=[counter_add], reward=counter_reached,
-                    pools={"counter": {"factory": CounterEnv, "max_size": 2}}, oracle_policy=_oracle,
-                    random_policy=_random, system_prompt="Reach the target.", max_turns=5)
+    return EnvSpec(name="counter", tasks=_tasks, tools=[counter_add], reward=counter_reached,
+                   pools={"counter": {"factory": CounterEnv, "max_size": 2}}, oracle_policy=_oracle,
+                   random_policy=_random, system_prompt="Reach the target.", agent="react", max_turns=5)
+
+
+def counter_env_spec(*, with_random: bool = True):
+    """The counter environment as an environment factory, for scripts/eval_env.py's import-path --env."""
+    spec = _spec()
+    if not with_random:
+        spec.random_policy = None
+    return spec
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +136,8 @@ def test_random_agent_is_reproducible_per_seed(tokenizer):
 
 def test_spec_checks_pools_and_scripted_calls():
     with pytest.raises(ValueError, match="pool 'counter'"):
-        EvalSpec(name="x", tasks=_tasks, tools=[counter_add], reward=counter_reached, pools={},
-                 oracle_policy=_oracle, random_policy=_random, system_prompt="")
+        EnvSpec(name="x", tasks=_tasks, tools=[counter_add], reward=counter_reached, pools={},
+                oracle_policy=_oracle, random_policy=_random, system_prompt="")
     generator = scripted_calls([{"name": "a", "arguments": {}}], final_answer="42")
     assert next(generator) == {"name": "a", "arguments": {}}
     with pytest.raises(StopIteration) as stop:
@@ -141,3 +153,53 @@ def test_summarize_needs_trajectories():
 def test_scripted_agent_needs_scripted_backend(tokenizer):
     with pytest.raises(TypeError, match="ScriptedBackend"):
         ScriptedAgent(_oracle, object(), tokenizer, tools=[counter_add], env_provider=object())
+
+
+def test_scripted_agent_needs_the_policy(tokenizer):
+    spec = counter_env_spec(with_random=False)
+    with pytest.raises(ValueError, match="'counter' has no random policy"):
+        scripted_agent(spec, "random", object(), tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def eval_env():
+    path = Path(__file__).resolve().parents[2] / "scripts" / "eval_env.py"
+    spec = importlib.util.spec_from_file_location("eval_env_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ENV = "tests.environments.test_evaluation:counter_env_spec"
+
+
+def test_eval_env_loads_an_environment_by_import_path(eval_env, capsys):
+    summary = eval_env.main(["--env", ENV, "--agent", "oracle", "--num", "3", "--chains", "2"])
+    headline = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert headline["env"] == "counter" and headline["success"] == 1.0 and summary["chains"] == 6
+    summary = eval_env.main(["--env", ENV, "--agent", "random", "--num", "2", "--option", "with_random=true"])
+    assert summary["success"] == 0.0 and summary["tool_calls_mean"] == 2.0
+
+
+def test_eval_env_errors_name_what_was_wrong(eval_env):
+    with pytest.raises(SystemExit, match="has no random policy"):
+        eval_env.main(["--env", ENV, "--agent", "random", "--option", "with_random=false"])
+    with pytest.raises(SystemExit, match="has no option 'with_randm'.*did you mean 'with_random'"):
+        eval_env.main(["--env", ENV, "--option", "with_randm=false"])
+    with pytest.raises(SystemExit, match="unknown environment 'no_such_env'"):
+        eval_env.main(["--env", "no_such_env"])
+    with pytest.raises(SystemExit, match="no split 'validation'"):
+        eval_env.main(["--env", ENV, "--split", "validation"])
+
+
+def test_eval_env_builds_the_agent_type_the_spec_names(eval_env):
+    from agentfly_jax.rollout.agents import CodeAgent, ReactAgent, ToolCallingAgent
+
+    spec = counter_env_spec()
+    for name, cls in (("react", ReactAgent), ("tool_calling", ToolCallingAgent), ("code", CodeAgent),
+                      ("environments.evaluation:ScriptedAgent", ScriptedAgent)):
+        spec.agent = name
+        assert eval_env.agent_class(spec) is cls
+    spec.agent = "no_such_module:Agent"
+    with pytest.raises(SystemExit, match="cannot be imported"):
+        eval_env.agent_class(spec)

@@ -83,7 +83,8 @@ def test_env_interface(suite_dir):
 
 
 def test_expert_solves_every_task_type_through_the_tools(suite_dir, tokenizer):
-    spec = alfworld.eval_spec(suite_dir=suite_dir, pool_size=3)
+    spec = alfworld.env_spec(suite_dir=suite_dir, pool_size=3)
+    assert spec.agent == "react" and spec.splits == ("train", "test")
     rows = alfworld.task_rows(alfworld.load_manifest(suite_dir), "test") + \
         alfworld.task_rows(alfworld.load_manifest(suite_dir), "train")
     summary = asyncio.run(evaluate(spec, lambda m: scripted_agent(spec, "oracle", m, tokenizer=tokenizer), rows))
@@ -94,12 +95,31 @@ def test_expert_solves_every_task_type_through_the_tools(suite_dir, tokenizer):
 
 
 def test_random_policy_mostly_fails(suite_dir, tokenizer):
-    spec = alfworld.eval_spec(suite_dir=suite_dir, pool_size=3, random_steps=15)
+    spec = alfworld.env_spec(suite_dir=suite_dir, pool_size=3, random_steps=15)
     rows = alfworld.task_rows(alfworld.load_manifest(suite_dir), "test")
     summary = asyncio.run(evaluate(spec, lambda m: scripted_agent(spec, "random", m, tokenizer=tokenizer, seed=1),
                                    rows))
     assert summary["success"] <= 0.34, summary["per_task"]
     assert summary["tool_calls_mean"] > 10  # it did play
+
+
+def test_spec_rows_of_a_built_and_of_a_generated_suite(suite_dir):
+    spec = alfworld.env_spec(suite_dir=suite_dir)
+    assert spec.split_tasks("test", 0, 0) == alfworld.task_rows(alfworld.load_manifest(suite_dir), "test")  # all 6
+    assert spec.split_tasks("train", 2, 0) == alfworld.task_rows(alfworld.load_manifest(suite_dir), "train")[:2]
+    with pytest.raises(ValueError, match="has 6 test games, fewer than the 7"):
+        spec.split_tasks("test", 7, 0)
+    with pytest.raises(ValueError, match="no split 'dev'"):
+        spec.split_tasks("dev", 1, 0)
+    # Without suite_dir: the seed's generated suite of num_train_games + num_test_games games (cached), the
+    # rows the trainer's "alfworld" task family built before EnvSpec for num_train=3, num_eval=2.
+    generated = alfworld.env_spec(num_train_games=3, num_test_games=2)
+    train, test = generated.split_tasks("train", 0, 0), generated.split_tasks("test", 0, 0)
+    assert (len(train), len(test)) == (3, 2)
+    manifest = alfworld.suite(3, 0, num_test=2)
+    assert (train, test) == (alfworld.task_rows(manifest, "train")[:3], alfworld.task_rows(manifest, "test")[:2])
+    with pytest.raises(ValueError, match="raise the option num_train_games"):
+        generated.split_tasks("train", 4, 0)
 
 
 def test_builder_cli_writes_manifest(tmp_path):

@@ -46,7 +46,7 @@ def env():
 
 
 def _spec(**overrides):
-    spec = sw.eval_spec(pool_size=2)
+    spec = sw.env_spec(pool_size=2)
     for key, value in overrides.items():
         setattr(spec, key, value)
     return spec
@@ -65,25 +65,30 @@ def test_catalog_splits_and_rows_are_deterministic():
         sw.build_tasks("validation", 1)
 
 
-def test_trainer_rows_are_lazy():
-    """The trainer's 600 train rows cost no simulator load until a row is used; rows equal the eager ones."""
-    from environments.scienceworld import train_eval_tasks
-
+def test_spec_rows_are_lazy_and_match_the_trainer_rows():
+    """600 train rows cost no simulator load until a row is used; they are the rows the ScienceWorld experiment
+    built (`build_tasks("train", 600, seed, lazy=True)`), and the held-out rows are the eager ones."""
+    spec = sw.env_spec(task_names="all")
+    assert spec.agent == "react" and spec.splits == ("train", "dev", "test")
     before = sw.describe.cache_info()
-    train, held_out = train_eval_tasks({"num_train": 600, "num_eval": 60, "task_names": "all"}, seed=0)
+    train, held_out = spec.split_tasks("train", 600, 0), spec.split_tasks("test", 60, 0)
     assert isinstance(train, sw.TaskRows) and len(train) == 600 and len(held_out) == 60
     assert sw.describe.cache_info().misses == before.misses  # nothing described yet
+    assert train.pairs == sw.build_tasks("train", 600, 0, lazy=True).pairs
     row = train[599]
     assert row["split"] == "train" and row["variation"] in sw.variations(row["task_name"], "train")
     assert row["question"].startswith("Your task is")
     assert row["task_id"] == f"{row['task_name']}/{row['variation']}"
     assert train[599] == row and train[599] is not row  # a fresh dict each time, same content
-    assert held_out[:2] == sw.build_tasks("test", 2, seed=1)  # the eager rows (a prefix: same order)
+    assert held_out[:2] == sw.build_tasks("test", 2, seed=0)  # the eager rows (a prefix: same order)
     assert len(set(train.pairs)) == 600 and not set(train.pairs) & set(held_out.pairs)
-    empty = train_eval_tasks({"num_train": 4, "num_eval": 0, "task_names": "eval"}, seed=0)[1]
-    assert len(empty) == 0 and empty[:5] == []
     with pytest.raises(IndexError):
         train[600]
+    # num <= 0: every variation of the split; task names as a comma-separated option
+    two = sw.env_spec(task_names="boil, melt")
+    assert len(two.split_tasks("dev", 0, 0)) == len(sw.variations("boil", "dev")) + len(sw.variations("melt", "dev"))
+    with pytest.raises(ValueError, match="no split 'validation'"):
+        two.split_tasks("validation", 1, 0)
 
 
 def test_env_interface_invalid_action_and_done(env, gold_rows):

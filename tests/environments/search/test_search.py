@@ -131,6 +131,23 @@ def test_task_rows(index):
     assert "<answer>" in train[0]["question"] and train[0]["raw_question"] in train[0]["question"]
 
 
+def test_env_spec_splits_and_question_sets(index):
+    from agentfly_jax.envs.spec import load_env_spec
+
+    spec = load_env_spec("search")
+    assert spec.agent == "tool_calling" and spec.splits == ("train", "dev", "test") and spec.reward.name == "qa_exact_match"
+    train, dev, test = (spec.split_tasks(split, 0, 0) for split in spec.splits)  # num <= 0: the whole split
+    ids = [{row["id"] for row in rows} for rows in (train, dev, test)]
+    assert not ids[0] & ids[1] and not ids[0] & ids[2] and not ids[1] & ids[2] and len(ids[2]) > 400
+    assert spec.split_tasks("test", 7, 1) == spec.split_tasks("test", 7, 1) and len(spec.split_tasks("test", 7, 1)) == 7
+    # train on generated questions, evaluate on FanOutQA
+    mixed = load_env_spec("search", {"eval_set": "fanoutqa"})
+    assert mixed.split_tasks("train", 5, 0) == spec.split_tasks("train", 5, 0)
+    assert {row["type"] for row in mixed.split_tasks("test", 0, 0)} == {"fanoutqa"}
+    with pytest.raises(ValueError, match="eval_set='hotpotqa'"):
+        load_env_spec("search", {"eval_set": "hotpotqa"})
+
+
 def test_search_tool_through_the_resource_manager_with_64_concurrent_chains(index, questions):
     _, heldout = split_questions(questions)
     rows = random.Random(1).sample(heldout, 64)

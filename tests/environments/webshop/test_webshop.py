@@ -411,6 +411,23 @@ def test_task_rows(shop):
     assert Goal.from_dict(row["goal"]) == shop.catalog.heldout_goals[0]
 
 
+def test_env_spec_splits_and_contents(shop):
+    from agentfly_jax.envs.spec import load_env_spec
+
+    spec = load_env_spec("webshop", dict(CATALOG))
+    assert spec.agent == "tool_calling" and spec.splits == ("train", "dev", "test")
+    assert {t.name for t in spec.tools} == {"webshop_search", "webshop_click"} and spec.reward.name == "webshop_reward"
+    assert spec.pools["webshop"]["kwargs"]["num_products"] == 1000
+    train, dev, test = (spec.split_tasks(split, 0, 0) for split in spec.splits)  # num <= 0: every goal
+    assert len(train) == len(shop.catalog.train_goals) and len(dev) + len(test) == len(shop.catalog.heldout_goals)
+    ids = [{row["goal_id"] for row in rows} for rows in (train, dev, test)]
+    assert not ids[0] & ids[1] and not ids[0] & ids[2] and not ids[1] & ids[2]
+    assert spec.split_tasks("test", 5, 3) == spec.split_tasks("test", 5, 3) and len(spec.split_tasks("test", 5, 3)) == 5
+    assert len(spec.split_tasks("test", 10_000, 0)) == len(test)  # more than the split holds: all of it
+    with pytest.raises(ValueError, match="has no option 'num_product'"):
+        load_env_spec("webshop", {"num_product": 10})
+
+
 # ----------------------------------------------------------------------------------------------- HTTP app
 
 
