@@ -50,9 +50,10 @@ def run_jax(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from agentfly_jax.algorithms import aggregation_weights, get_recipe
     from agentfly_jax.models import CausalLM, ModelConfig, init_params
-    from agentfly_jax.trainer import (LossConfig, OptimizerConfig, build_update_batch, create_train_state,
-                                      make_optimizer, make_train_step)
+    from agentfly_jax.trainer import (OptimizerConfig, create_train_state, make_optimizer, make_train_step,
+                                      pack_step, take_minibatch, token_logprobs)
 
     shape = SHAPES[args.shape]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -63,37 +64,40 @@ def run_jax(args) -> dict:
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer)
-    loss_cfg = LossConfig(logprob_chunk=args.chunk or None)
-    step = make_train_step(model, loss_cfg, optimizer)
+    alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
+    step = make_train_step(model, alg, optimizer)
 
     rng = np.random.default_rng(0)
     b, t = args.batch, args.seq_len
-    tokens = rng.integers(0, shape["vocab_size"], (b, t), dtype=np.int32)
-    mask = np.ones((b, t), np.float32)
-    mask[:, 0] = 0  # token 0 has no prediction
-    arrays = {"tokens": tokens, "action_mask": mask, "advantages": rng.normal(size=(b, t)).astype(np.float32) * mask,
-              "old_logprobs": np.full((b, t), -11.0, np.float32) * mask}
-    arrays["sampler_logprobs"] = arrays["old_logprobs"]
     seg = args.segments
-    if seg > 1:  # the same tokens as `seg` shorter sequences per row: exercises the segment-masked path
-        arrays = {k: v.reshape(b * seg, t // seg) for k, v in arrays.items()}
-        arrays["action_mask"][:, 0] = 0
-    micro, _ = build_update_batch(arrays, np.full(b * seg, t // seg), agg="token-mean", row_len=t,
-                                  micro_batches=args.micro)
-    micro = jax.tree.map(jnp.asarray, micro)
+    n, length = b * seg, t // seg  # `seg` > 1: the same tokens as shorter sequences, `seg` packed per row
+    tokens = rng.integers(0, shape["vocab_size"], (n, length), dtype=np.int32)
+    mask = np.ones((n, length), np.float32)
+    mask[:, 0] = 0  # token 0 of a sequence has no prediction
+    advantages = rng.normal(size=(n, length)).astype(np.float32) * mask
+    old_logprobs = np.full((n, length), -11.0, np.float32) * mask
+    batch = pack_step(tokens, mask, old_logprobs, np.full(n, length), rewards=np.zeros(n, np.float32),
+                      group_ids=np.arange(n), minibatch=np.zeros(n, np.int32), num_minibatches=1,
+                      micro_batches=args.micro, row_len=t)
+
+    def packed(per_sequence):  # [N, T] -> the packed rows' [K, M, R, L] layout (0 on padding)
+        return np.concatenate([per_sequence.reshape(-1), np.zeros(1, np.float32)])[batch.pack_index]
+
+    # What `make_prepare_fn` fills on the device in a run; fixed here so only the update is timed.
+    rows = batch.rows.replace(old_logprobs=packed(old_logprobs), advantages=packed(advantages),
+                              loss_weights=packed(np.asarray(aggregation_weights(mask, alg.aggregation))))
+    micro = jax.tree.map(jnp.asarray, take_minibatch(rows, 0))  # [M, R, L]
     holder = {"state": state}
 
     if args.mode == "forward":
-        from agentfly_jax.trainer import make_logprob_fn
-        fwd = make_logprob_fn(model, chunk=args.chunk or None)
+        fwd = jax.jit(lambda p, r: token_logprobs(model, p, r, chunk=alg.logprob_chunk)[0])
         first = jax.tree.map(lambda x: x[0], micro)
 
         def one():
             jax.block_until_ready(fwd(params, first))
     elif args.mode == "grad":
         from agentfly_jax.trainer.update import accumulate_gradients, policy_loss
-        grad_fn = jax.jit(lambda p, mb: accumulate_gradients(lambda q, b_: policy_loss(q, b_, model, loss_cfg),
-                                                             p, mb))
+        grad_fn = jax.jit(lambda p, mb: accumulate_gradients(lambda q, b_: policy_loss(q, b_, model, alg), p, mb))
 
         def one():
             jax.block_until_ready(grad_fn(params, micro))

@@ -60,15 +60,50 @@ def test_empty_mask_gives_zero_not_nan(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_shared_denominator_makes_micro_batches_add_up(mode):
+def test_shared_weights_make_micro_batches_add_up(mode):
     rng, mask, *_ = make_batch(2)
     per_token = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
-    denominator = algorithms.loss_denominator(mask, mode)
+    weights = algorithms.aggregation_weights(mask, mode)  # of the whole batch
     halves = [
-        algorithms.aggregate_loss(per_token[s], mask[s], mode, denominator=denominator)
+        algorithms.aggregate_loss(per_token[s], mask[s], mode, weights=weights[s])
         for s in (slice(0, 3), slice(3, None))
     ]
     np.testing.assert_allclose(sum(halves), ref.aggregate(per_token, mask, mode), rtol=RTOL, atol=ATOL)
+    # the same halves aggregated on their own are each half's own aggregate, not the batch's
+    alone = [float(algorithms.aggregate_loss(per_token[s], mask[s], mode)) for s in (slice(0, 3), slice(3, None))]
+    assert abs(sum(alone) - ref.aggregate(per_token, mask, mode)) > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregation_weights_per_group_match_reference(mode):
+    """`groups` aggregate each group (e.g. a PPO mini-batch) on its own; a group without action tokens weighs
+    0; the weights are mask-shaped and 0 off the mask."""
+    rng, mask, *_ = make_batch(13)
+    per_token = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
+    groups = np.array([2, 0, 1, 0, 2, 3, 1, 0])  # row 5 (EMPTY_ROW) alone in group 3: no action tokens
+    norm_len = 50 if mode == "seq-mean-token-sum-norm" else None
+    weights = np.asarray(
+        jax.jit(algorithms.aggregation_weights, static_argnames=("mode", "num_groups"))(
+            mask, mode, norm_len=norm_len, groups=groups, num_groups=4
+        )
+    )
+    assert weights.shape == mask.shape and (weights[mask == 0] == 0).all()
+    assert (weights[groups == 3] == 0).all()
+    for g in range(3):
+        rows = groups == g
+        got = float((weights[rows] * per_token[rows]).sum())
+        want = ref.aggregate(per_token[rows], mask[rows], mode, norm_len=norm_len)
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=f"group {g}")
+        if mode == "token-mean":
+            np.testing.assert_allclose(weights[rows].sum(), 1.0, rtol=RTOL)
+        if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: sum = tokens / (norm_len * sequences)
+            want_sum = mask[rows].sum() / (norm_len * (mask[rows].sum(1) > 0).sum())
+            np.testing.assert_allclose(weights[rows].sum(), want_sum, rtol=RTOL)
+    # without groups, the whole batch is one group
+    np.testing.assert_allclose(
+        (np.asarray(algorithms.aggregation_weights(mask, mode, norm_len=norm_len)) * per_token).sum(),
+        ref.aggregate(per_token, mask, mode, norm_len=norm_len), rtol=RTOL, atol=ATOL,
+    )
 
 
 def test_unknown_aggregation_mode_is_a_clear_error():

@@ -1,0 +1,212 @@
+"""The typed config: unknown keys, wrong types and out-of-range values are refused in one line naming the key,
+before any model work; placeholders make unset knobs settable from the command line; the experiment configs
+build."""
+import copy
+import os
+import subprocess
+import sys
+import time
+
+import ml_collections
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from agentfly_jax.trainer import config as config_lib
+from agentfly_jax.trainer.config import ConfigError, TrainConfig, default_config
+from experiments import custom_task, quickstart
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _build_with(change):
+    """TrainConfig.build of the quickstart config (as a plain dict) after `change(dict)`."""
+    d = copy.deepcopy(quickstart.get_config().to_dict())
+    change(d)
+    return TrainConfig.build(d)
+
+
+def _refused(change) -> str:
+    with pytest.raises(ConfigError) as err:
+        _build_with(change)
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+# ===================================================================================== refusals, one line each
+def test_unknown_key_suggests_the_right_one():
+    message = _refused(lambda d: d["rl"].update(stesp=3))
+    assert message.startswith("config.rl.stesp: unknown key (did you mean 'steps'?)")
+    assert "config.rl has: steps, tasks_per_step" in message
+    assert "did you mean 'algorithm'?" in _refused(lambda d: d.update(algorithmm="grpo"))
+    # a ConfigDict (not locked) takes the new key, and the build refuses it the same way
+    c = quickstart.get_config()
+    c.loss.clip_epsilon = 0.1
+    with pytest.raises(ConfigError, match=r"config.loss.clip_epsilon: unknown key \(did you mean 'clip_eps'\?\)"):
+        TrainConfig.build(c)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["rl"].update(steps="3"), "config.rl.steps='3': expected an integer"),
+    (lambda d: d["rl"].update(steps=3.0), "config.rl.steps=3.0: expected an integer"),
+    (lambda d: d["rl"].update(steps=True), "config.rl.steps=True: expected an integer"),
+    (lambda d: d.update(progress="yes"), "config.progress='yes': expected True or False"),
+    (lambda d: d["optimizer"].update(learning_rate="1e-3"), "config.optimizer.learning_rate='1e-3': expected a number"),
+    (lambda d: d.update(seq_buckets="64"), "config.seq_buckets='64': expected a tuple"),
+    (lambda d: d["agent"].update(tools=("a", 3)), "config.agent.tools[1]=3: expected a string"),
+    (lambda d: d.update(rl=3), "config.rl: expected a section (mapping of keys), got int"),
+    (lambda d: d["sft"].update(stages=((10, 1.0, 2),)), "config.sft.stages[0]=(10, 1.0, 2): expected 2 items"),
+])
+def test_wrong_type_is_refused_naming_the_key(change, message):
+    assert _refused(change).startswith(message)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["rl"].update(tasks_per_step=-1), "config.rl.tasks_per_step=-1 is out of range; allowed: > 0"),
+    (lambda d: d["rl"].update(steps=-1), "config.rl.steps=-1 is out of range; allowed: >= 0"),
+    (lambda d: d["loss"].update(dual_clip=0.5), "config.loss.dual_clip=0.5 is out of range; allowed: > 1"),
+    (lambda d: d["agent"].update(top_p=0.0), "config.agent.top_p=0.0 is out of range; allowed: in (0, 1]"),
+    (lambda d: d.update(backend="torch"), "config.backend='torch' is out of range; allowed: one of 'jax', 'vllm'"),
+    (lambda d: d["advantage"].update(gamma=1.5), "config.advantage.gamma=1.5 is out of range; allowed: in [0, 1]"),
+    (lambda d: d.update(seq_buckets=()), "config.seq_buckets=() is out of range"),
+])
+def test_out_of_range_is_refused_naming_the_key(change, message):
+    assert _refused(change).startswith(message)
+
+
+def test_out_of_range_is_refused_before_any_model_work(monkeypatch, tmp_path):
+    """`train` validates first: no builder (tokenizer, tasks, model) runs and no workdir is made."""
+    from agentfly_jax.trainer import builders, loop
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("model/data work started before the config was validated")
+
+    for name in ("build_task_setup", "build_tokenizer", "build_tasks", "build_policy", "build_mesh"):
+        monkeypatch.setattr(builders, name, must_not_run)
+    c = quickstart.get_config()
+    c.rl.tasks_per_step = -1
+    c.workdir = str(tmp_path / "run")
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"^config\.rl\.tasks_per_step=-1 is out of range; allowed: > 0$"):
+        loop.train(c)
+    assert time.perf_counter() - t0 < 5.0
+    assert not os.path.exists(c.workdir)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["advantage"].update(gamma=0.99), "config.advantage.gamma has no effect under algorithm 'grpo'"),
+    (lambda d: d["advantage"].update(kl_in_reward_coef=0.1),
+     "config.advantage.kl_in_reward_coef=0.1 has no effect under algorithm 'grpo'"),
+    (lambda d: d["loss"].update(norm_len=128), "config.loss.norm_len=128 has no effect with aggregation 'token-mean'"),
+    (lambda d: d.update(algorithm="drgrpo") or d["loss"].update(aggregation="token-mean"),
+     "config.loss.aggregation='token-mean': algorithm 'drgrpo' is defined by its aggregation"),
+    (lambda d: d["loss"].update(kl_loss_estimator="k2"), "config.loss.kl_loss_estimator is set but"),
+    (lambda d: d.update(algorithm="grop"), "unknown algorithm 'grop' (did you mean 'grpo'?)"),
+    (lambda d: d["rl"].update(mini_batches=200), "config.rl.mini_batches=200 is more than the 128 chains"),
+    (lambda d: d["agent"].update(max_context_tokens=1024),
+     "config.agent.max_context_tokens=1024 does not fit the largest of config.seq_buckets"),
+    (lambda d: d["tokenizer"].update(kind=""), "set config.tokenizer.path (an HF tokenizer directory) or"),
+    (lambda d: d.update(backend="vllm"), "config.backend='vllm' needs config.vllm.urls"),
+    (lambda d: d["env"].update(name=""), "config.env.name is empty and config.task.train_path is empty"),
+])
+def test_cross_section_rules_are_one_line_config_errors(change, message):
+    assert message in _refused(change)
+
+
+def test_recipe_defaults_are_filled_from_the_config():
+    c = quickstart.get_config()
+    c.algorithm = "drgrpo"
+    resolved = TrainConfig.build(c).resolved_algorithm()
+    assert resolved.aggregation == "seq-mean-token-sum-norm"
+    assert resolved.norm_len == c.agent.max_context_tokens == 256  # Dr.GRPO's horizon: the context length
+    c.loss.norm_len = 100
+    assert TrainConfig.build(c).resolved_algorithm().norm_len == 100
+
+
+# ================================================================================================ placeholders
+def test_default_config_is_the_typed_defaults_with_placeholders():
+    c = default_config()
+    built = TrainConfig.build({**c.to_dict(), "tokenizer": {"kind": "env"}, "env": {"name": "arithmetic"}})
+    assert built.rl == config_lib.RLSection() and built.loss == config_lib.LossSection()
+    for key in ("logprob_chunk", "dual_clip", "is_cap", "norm_len", "aggregation", "kl_loss_coef"):
+        assert c.loss[key] is None and isinstance(c.loss.get_ref(key), ml_collections.FieldReference), key
+    c.loss.logprob_chunk = 64  # placeholders of their type: set ...
+    c.loss.dual_clip = 1.5
+    c.loss.is_cap = 2.0
+    with pytest.raises(TypeError, match="logprob_chunk"):  # ... and typed
+        c.loss.logprob_chunk = "x"
+
+
+@pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections loading the file
+def test_placeholders_are_settable_through_config_flags():
+    """The ml-collections command-line override path the trainer's --config flag uses."""
+    argv = ["train", f"--config={ROOT}/experiments/quickstart.py:cpu", "--config.loss.logprob_chunk=64",
+            "--config.loss.dual_clip=1.5", "--config.loss.is_cap=2.0", "--config.advantage.normalize_std=False",
+            "--config.rl.steps=3"]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "experiment config", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)
+    fv(argv)
+    cfg = TrainConfig.build(fv.config)
+    assert (cfg.loss.logprob_chunk, cfg.loss.dual_clip, cfg.loss.is_cap) == (64, 1.5, 2.0)
+    assert cfg.rl.steps == 3 and cfg.rl.tasks_per_step == 4  # the :cpu variant's
+    resolved = cfg.resolved_algorithm()
+    assert (resolved.logprob_chunk, resolved.dual_clip, resolved.is_cap) == (64, 1.5, 2.0)
+    assert resolved.estimator_kwargs["normalize_std"] is False
+
+
+def _train_cli(*overrides, config="experiments/quickstart.py"):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "agentfly_jax.train", "--config", config, *overrides], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    return proc, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_bad_value_in_one_line_fast():
+    proc, seconds = _train_cli("--config.loss.logprob_chunk=64", "--config.loss.dual_clip=1.5",
+                               "--config.loss.is_cap=2.0", "--config.rl.tasks_per_step=-1")
+    assert seconds < 30, seconds
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "rl.tasks_per_step" in lines[0] and "Traceback" not in proc.stderr
+    assert lines[0] == "agentfly-train: config.rl.tasks_per_step=-1 is out of range; allowed: > 0"
+    assert proc.stdout == ""
+
+
+@pytest.mark.slow
+def test_cli_refuses_a_misspelled_key_in_one_line_with_a_suggestion():
+    proc, seconds = _train_cli("--config.rl.stesp=3")
+    assert seconds < 30, seconds
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "stesp" in lines[0] and '"steps"' in lines[0] and "Traceback" not in proc.stderr
+
+
+# ========================================================================================= experiment configs
+@pytest.mark.parametrize("module,arg", [(quickstart, None), (quickstart, "cpu"), (custom_task, None),
+                                        (custom_task, "cpu")])
+def test_experiment_configs_build(module, arg):
+    cfg = TrainConfig.build(module.get_config(arg))
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.resolved_algorithm().recipe.name == cfg.algorithm == "grpo"
+    assert cfg.agent.max_context_tokens <= max(cfg.seq_buckets)
+    if arg == "cpu":
+        assert cfg.rl.steps == 1
+    if module is custom_task:
+        assert cfg.env.name == "" and cfg.task.train_path.endswith("train.jsonl")
+        assert os.path.exists(os.path.join(ROOT, cfg.task.train_path))
+    else:
+        assert cfg.env.name == "arithmetic"
+    with pytest.raises(ValueError, match="takes no argument or 'cpu'"):
+        module.get_config("gpu")
+
+
+def test_built_config_is_frozen():
+    cfg = TrainConfig.build(quickstart.get_config())
+    with pytest.raises(Exception, match="cannot assign"):
+        cfg.rl.steps = 3
