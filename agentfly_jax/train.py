@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 
 from absl import app, flags
@@ -61,8 +62,12 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _die(str(e).splitlines()[0])
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         text = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
-        overrides = [a for a in argv[1:] if a.startswith("--config.")]
-        _die(f"bad --config override ({text}); overrides given: {' '.join(overrides) or 'none'}")
+        overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+        # ml-collections names only the last path component; point at the override that holds it
+        named = re.match(r"'?([A-Za-z_][\w]*)'?", text)
+        culprit = next((o for o in overrides if named and o.split(".")[-1] == named.group(1)), None)
+        where = f"{culprit.lstrip('-')}: " if culprit else ""
+        _die(f"{where}bad --config override ({text}); overrides given: {' '.join(overrides) or 'none'}")
     return argv
 
 

@@ -288,7 +288,10 @@ class TrainConfig:
         try:
             self.resolved_algorithm()
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            message = str(e)
+            if message.startswith("unknown algorithm"):
+                message = f"config.algorithm: {message}"
+            raise ConfigError(message) from None
         if not self.env.name:
             if not self.task.train_path:
                 raise ConfigError("config.env.name is empty and config.task.train_path is empty: name an "
