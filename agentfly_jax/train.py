@@ -40,7 +40,10 @@ def main(argv) -> None:
         _die(str(e))
     from agentfly_jax.trainer.loop import train  # after flag parsing and validation: keeps --help fast
 
-    summary = train(typed)
+    try:
+        summary = train(typed)
+    except ConfigError as e:  # found while building the run (environment, tools, pools), before training
+        _die(str(e))
     print(json.dumps(summary, indent=2))
     if summary.get("success_after") is not None:
         print(f"\n{summary['algorithm']}: success {summary['success_before']:.2f} -> {summary['success_after']:.2f} "

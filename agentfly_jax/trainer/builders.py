@@ -8,6 +8,7 @@ the config's `agent.tools` / `agent.reward` / `envs` (import paths, for a user's
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -19,6 +20,8 @@ import jax.numpy as jnp
 
 from agentfly_jax.envs.manager import PoolConfig, ResourceManager, resolve_factory
 from agentfly_jax.envs.spec import EnvSpec, load_env_spec
+from agentfly_jax.rewards.decorator import REWARD_REGISTRY, Reward
+from agentfly_jax.tools.decorator import TOOL_REGISTRY, Tool
 from agentfly_jax.models import CausalLM, ModelConfig, ValueModel, init_params, load_pretrained, save_pretrained
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.trainer.config import ConfigError, TrainConfig
@@ -42,29 +45,57 @@ class TaskSetup:
 def build_task_setup(cfg: TrainConfig) -> TaskSetup:
     """The environment plugin named by `config.env`, or a user's task from files; tools and reward given as
     import paths in `config.agent` replace the spec's, pools in `config.envs` extend (or override) its pools."""
-    spec = load_env_spec(cfg.env.name, cfg.env.options) if cfg.env.name else None
-    tools = [_resolve_named(t) for t in cfg.agent.tools] if cfg.agent.tools else list(spec.tools if spec else [])
-    reward = _resolve_named(cfg.agent.reward) if cfg.agent.reward else spec.reward
+    try:
+        spec = load_env_spec(cfg.env.name, cfg.env.options) if cfg.env.name else None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.env: {e}") from None
+    if cfg.agent.tools:
+        tools = [_resolve_named(t, "config.agent.tools", Tool) for t in cfg.agent.tools]
+    else:
+        tools = list(spec.tools if spec else [])
+    reward = _resolve_named(cfg.agent.reward, "config.agent.reward", Reward) if cfg.agent.reward else spec.reward
     pools = dict(spec.pools if spec else {})
     for name, pool in cfg.envs.items():
         pools[name] = {**pools.get(name, {}), **pool}
     for name, pool in pools.items():  # fail now, not when the first chain asks for an instance
         try:
             PoolConfig(**pool)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ConfigError(f"config.envs.{name}: {e}") from None
+    # Every pool a stateful tool or an environment-backed reward names must exist, or each call would fail.
+    users = [(f"tool '{t.name}'", t.pool) for t in tools if isinstance(t, Tool) and t.stateful]
+    if isinstance(reward, Reward) and reward.needs_env:
+        users.append((f"reward '{reward.name}'", reward.pool))
+    for who, pool in users:
+        if pool not in pools:
+            raise ConfigError(f"{who} uses environment pool {pool!r} but the run has pools {sorted(pools)}: add "
+                              f"config.envs.{pool} (factory, kwargs, max_size, ...) or fix the tool's pool name")
     threshold = cfg.agent.success_threshold
     if threshold is None:
         threshold = spec.success_threshold if spec else 1.0
     return TaskSetup(spec=spec, tools=tools, reward=reward, pools=pools, success_threshold=threshold)
 
 
-def _resolve_named(name):
-    """A tool or reward given as an import path ("package.module:name") is imported; a plain name is left for
-    the agent to look up in the registries."""
-    if isinstance(name, str) and ":" in name:
-        return resolve_factory(name)
-    return name
+def _resolve_named(name: str, key: str, kind: type):
+    """A tool or reward given as an import path ("package.module:name") is imported and must be a `kind`
+    (@tool / @reward object); a plain name is looked up in the registries."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{key}: {name!r} cannot be imported ({e}); expected 'package.module:name'") from None
+    else:
+        registry = TOOL_REGISTRY if kind is Tool else REWARD_REGISTRY
+        if name not in registry:
+            raise ConfigError(f"{key}: no {kind.__name__.lower()} named {name!r} is registered (registered: "
+                              f"{', '.join(sorted(registry))}); give an import path 'package.module:name'")
+        obj = registry[name]
+    if not isinstance(obj, kind):
+        decorator = "@tool" if kind is Tool else "@reward"
+        raise ConfigError(f"{key}: {name!r} is {type(obj).__name__}, not a {decorator} function; decorate it "
+                          f"with agentfly_jax.{'tools' if kind is Tool else 'rewards'}.{decorator[1:]}")
+    return obj
 
 
 def build_tasks(cfg: TrainConfig, setup: TaskSetup) -> tuple[list[dict], list[dict]]:
@@ -76,9 +107,11 @@ def build_tasks(cfg: TrainConfig, setup: TaskSetup) -> tuple[list[dict], list[di
         return train, heldout
     from agentfly_jax.rollout.data import load_tasks
 
-    reward = setup.reward if not isinstance(setup.reward, str) else None
-    train = load_tasks(task.train_path, reward=reward, limit=task.num_train or None)
-    heldout = load_tasks(task.eval_path, reward=reward, limit=task.num_eval) if task.num_eval else []
+    try:
+        train = load_tasks(task.train_path, reward=setup.reward, limit=task.num_train or None)
+        heldout = load_tasks(task.eval_path, reward=setup.reward, limit=task.num_eval) if task.num_eval else []
+    except ValueError as e:  # malformed rows, or a reward field the rows lack: the message names file:line
+        raise ConfigError(f"config.task: {e}") from None
     return train, heldout
 
 

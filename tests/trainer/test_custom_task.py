@@ -191,23 +191,23 @@ def test_bad_tool_import_path_fails_at_setup_naming_it(tmp_path):
         setup(cpu_config(tools=(missing_module,)), workdir=str(tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="builders._resolve_named reuses envs.manager.resolve_factory, whose "
-                   "message calls a tool (or reward) import path a 'pool factory'")
 def test_bad_tool_import_path_message_calls_it_a_tool(tmp_path):
     from agentfly_jax.trainer.loop import setup
 
     bad = "experiments.custom_task_example.tools:convert_unit"
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         setup(cpu_config(tools=(bad,)), workdir=str(tmp_path))
-    assert "pool factory" not in str(error.value)
+    assert str(error.value).startswith(f"config.agent.tools: {bad!r} cannot be imported")
+    not_a_tool = "experiments.custom_task_example.tools:convert"  # a plain function, not a @tool
+    with pytest.raises(ConfigError, match="not a @tool function"):
+        setup(cpu_config(tools=(not_a_tool,)), workdir=str(tmp_path))
 
 
 def test_reward_field_missing_from_rows_fails_at_setup_naming_it(tmp_path):
-    from agentfly_jax.rewards import RewardBindingError
     from agentfly_jax.trainer.loop import setup
 
     config = cpu_config(reward="tests.trainer.test_custom_task:answer_with_typo")
-    with pytest.raises(RewardBindingError) as error:
+    with pytest.raises(ConfigError) as error:
         setup(config, workdir=str(tmp_path))
     message = str(error.value)
     assert "reward 'answer_with_typo' takes a parameter 'answre'" in message
@@ -216,16 +216,16 @@ def test_reward_field_missing_from_rows_fails_at_setup_naming_it(tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))  # nothing built past the data
 
 
-@pytest.mark.xfail(strict=True, reason="builders.build_task_setup checks each pool's fields but not that "
-                   "the pools of stateful tools / env-backed rewards given by import path exist (EnvSpec "
-                   "checks it for plugins)")
 def test_stateful_tool_whose_pool_is_not_configured_fails_at_setup():
     c = cpu_config(tools=("experiments.custom_task_example.tools:convert_units",
                           "tests.trainer.test_custom_task:tally"))
     # misnamed pool: the tool says "tally"
     c.envs = {"tallies": {"factory": "tests.trainer.test_custom_task:TallyEnv"}}
-    with pytest.raises((ConfigError, ValueError), match="tally"):
+    with pytest.raises(ConfigError, match=r"tool 'tally' uses environment pool 'tally' but the run has pools "
+                                          r"\['tallies'\]"):
         builders.build_task_setup(TrainConfig.build(c))
+    c.envs = {"tally": {"factory": "tests.trainer.test_custom_task:TallyEnv"}}
+    assert sorted(builders.build_task_setup(TrainConfig.build(c)).pools) == ["tally"]
 
 
 def test_missing_reward_or_data_is_a_config_error():
