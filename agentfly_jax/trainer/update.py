@@ -10,7 +10,7 @@ the mini-batch. The algorithm's knobs come from its recipe (`algorithms.recipes.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,6 @@ def values_of(model, params, rows: PackedRows):
 def policy_loss(params, rows: PackedRows, model, alg: ResolvedAlgorithm):
     """(loss, metrics) on one micro-batch; the loss is sum(loss_weights * per-token terms)."""
     mask = rows.action_mask  # [R, L]
-    on_actions = mask > 0
     token_weights = rows.loss_weights  # [R, L], the recipe's aggregation over the whole mini-batch folded in
     logprobs, entropy = token_logprobs(model, params, rows, temperature=alg.temperature, chunk=alg.logprob_chunk)
     metrics = {}
@@ -198,7 +197,6 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
     recipe's estimator on the trajectory view), and loss weights (the recipe's aggregation over each
     mini-batch), all on the device in one pass."""
     recipe = alg.recipe
-    num_minibatch_fn = lambda batch: batch.rows.tokens.shape[0]  # noqa: E731 - static under jit
 
     def logprob_fn(params, rows):
         return token_logprobs(policy_model, params, rows, temperature=alg.temperature, chunk=alg.logprob_chunk)[0]
@@ -222,7 +220,7 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
         advantages, returns = algorithms.compute_advantages(
             recipe.estimator, rewards=batch.rewards, group_ids=batch.group_ids, action_mask=mask, values=values,
             token_kl=token_kl, **estimator_kwargs)
-        k = num_minibatch_fn(batch)
+        k = rows.tokens.shape[0]  # mini-batches: a static shape under jit
         weights = algorithms.aggregation_weights(mask, alg.aggregation, norm_len=alg.norm_len,
                                                  groups=batch.minibatch, num_groups=k)
         filled = rows.replace(old_logprobs=old, ref_logprobs=ref, advantages=_pack(advantages, batch),
