@@ -28,12 +28,8 @@ def get_config(arg: str | None = None):
     c.jax_sampler.update(dict(max_slots=64, max_len=8192))
     if arg == "cpu":  # a 4 + 2-game suite, two steps of one task
         c.env.options.update(dict(num_train_games=4, num_test_games=2, pool_size=2))
-        cpu_plumbing(c, buckets=(512, 1024))
-        c.rl.update(dict(steps=2, tasks_per_step=1))
-        c.task.update(dict(num_train=4, num_eval=2))
-        c.eval.update(dict(num_tasks=1, every=0))
-        c.agent.max_new_tokens = 16
-        c.jax_sampler.max_slots = 2
+        cpu_plumbing(c, buckets=(512, 1024), steps=2, tasks_per_step=1, new_tokens=16, slots=2, eval_tasks=1)
+        c.task.num_train = 4
     elif arg:
         raise ValueError(f"experiments/alfworld_grpo.py takes no argument or 'cpu', got {arg!r}")
     return c

@@ -39,13 +39,15 @@ def agentfly_grpo(c: ConfigDict) -> None:
     c.eval.update(dict(every=20, num_tasks=64, num_chains=1, temperature=0.0, top_p=1.0, sampled_chains=1))
 
 
-def cpu_plumbing(c: ConfigDict, *, context: int = 1024, buckets=(1024,), turns: int = 2) -> ConfigDict:
-    """The `:cpu` variant: one small RL step of the tiny policy, no eval, short turns; minutes on 2 cores."""
-    c.rl.update(dict(steps=1, tasks_per_step=2, chains_per_task=2, mini_batches=1, micro_batches=1))
-    c.task.num_eval = 0
-    c.eval.num_tasks = 0
-    c.agent.update(dict(max_turns=turns, max_new_tokens=32, max_context_tokens=context))
-    c.jax_sampler.update(dict(max_slots=4, max_len=context))
+def cpu_plumbing(c: ConfigDict, *, context: int = 1024, buckets=(1024,), turns: int = 2, steps: int = 1,
+                 tasks_per_step: int = 2, new_tokens: int = 32, slots: int = 4, eval_tasks: int = 0) -> ConfigDict:
+    """The `:cpu` variant: `steps` small RL steps of the tiny policy (2 chains a task), short turns, and a held-out
+    eval of `eval_tasks` rows before and after (none by default); minutes on 2 cores."""
+    c.rl.update(dict(steps=steps, tasks_per_step=tasks_per_step, chains_per_task=2, mini_batches=1, micro_batches=1))
+    c.task.num_eval = 2 * eval_tasks
+    c.eval.update(dict(num_tasks=eval_tasks, every=0))
+    c.agent.update(dict(max_turns=turns, max_new_tokens=new_tokens, max_context_tokens=context))
+    c.jax_sampler.update(dict(max_slots=slots, max_len=context))
     c.seq_buckets = tuple(buckets)
     c.row_bucket = 1
     c.checkpoint.every = 0

@@ -25,12 +25,8 @@ def get_config(arg: str | None = None):
     c.jax_sampler.update(dict(max_slots=64, max_len=8192))
     if arg == "cpu":  # two steps of one task on 2 simulators
         c.env.options.update(dict(task_names="boil", pool_size=2))
-        cpu_plumbing(c, buckets=(512, 1024))
-        c.rl.update(dict(steps=2, tasks_per_step=1))
-        c.task.update(dict(num_train=4, num_eval=2))
-        c.eval.update(dict(num_tasks=1, every=0))
-        c.agent.max_new_tokens = 16
-        c.jax_sampler.max_slots = 2
+        cpu_plumbing(c, buckets=(512, 1024), steps=2, tasks_per_step=1, new_tokens=16, slots=2, eval_tasks=1)
+        c.task.num_train = 4
     elif arg:
         raise ValueError(f"experiments/scienceworld_grpo.py takes no argument or 'cpu', got {arg!r}")
     return c
