@@ -17,6 +17,7 @@ import pytest
 import transformers
 
 from agentfly_jax.models import load_pretrained
+from agentfly_jax.trainer.batch import PackedRows
 from agentfly_jax.trainer.update import token_logprobs
 from tests.models.hf_reference import build
 
@@ -74,7 +75,9 @@ def trainer_logprobs(model, params, prompt, completion, temperature, pad_to=512)
     tokens = np.zeros((1, length), np.int32)
     tokens[0, :len(sequence)] = sequence
     segment_ids = (np.arange(length) < len(sequence)).astype(np.int32)[None]
-    batch = {"tokens": tokens, "positions": np.arange(length, dtype=np.int32)[None], "segment_ids": segment_ids}
+    zeros = np.zeros((1, length), np.float32)
+    batch = PackedRows(tokens=tokens, positions=np.arange(length, dtype=np.int32)[None], segment_ids=segment_ids,
+                       action_mask=zeros, sampler_logprobs=zeros)
     logprobs = _jitted_token_logprobs(model, params, batch, float(temperature))
     return np.asarray(logprobs)[0, len(prompt):len(sequence)]
 

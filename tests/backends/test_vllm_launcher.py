@@ -4,6 +4,7 @@ import pytest
 
 from agentfly_jax.rollout.backends import LocalVLLMServers, VLLMLaunchError
 from agentfly_jax.trainer import builders
+from agentfly_jax.trainer.config import ConfigError, TrainConfig
 from experiments.quickstart import get_config
 
 
@@ -25,15 +26,15 @@ def test_launch_and_urls_together_are_refused():
     config.backend = "vllm"
     config.vllm.launch = True
     config.vllm.urls = ("http://127.0.0.1:8000",)
-    with pytest.raises(ValueError, match="leave config.vllm.urls empty"):
-        builders.build_backend(config, model=None, params=None, workdir="unused")
+    with pytest.raises(ConfigError, match="leave config.vllm.urls empty"):  # at start, before any server
+        TrainConfig.build(config)
 
 
 def test_vllm_without_urls_or_launch_says_what_to_set():
     config = get_config()
     config.backend = "vllm"
-    with pytest.raises(ValueError, match="config.vllm.urls .* or config.vllm.launch=True"):
-        builders.build_backend(config, model=None, params=None)
+    with pytest.raises(ConfigError, match="config.vllm.urls .* or config.vllm.launch=True"):
+        TrainConfig.build(config)
 
 
 def test_an_interrupted_start_stops_the_server_being_started(tmp_path, monkeypatch):
@@ -69,9 +70,9 @@ def test_max_model_len_follows_the_agents_context_unless_given(tmp_path, monkeyp
     monkeypatch.setattr(builders, "save_pretrained", lambda *a, **k: None)
     config = get_config()
     config.backend, config.vllm.launch, config.vllm.server_args = "vllm", True, ("--dtype", "float32")
-    builders.build_backend(config, model=None, params={}, workdir=str(tmp_path))
+    builders.build_backend(TrainConfig.build(config), model=None, params={}, workdir=str(tmp_path))
     length = config.agent.max_context_tokens + config.agent.max_new_tokens
     assert seen["args"] == ["--dtype", "float32", "--max-model-len", str(length)]
     config.vllm.server_args = ("--max-model-len", "512")
-    builders.build_backend(config, model=None, params={}, workdir=str(tmp_path))
+    builders.build_backend(TrainConfig.build(config), model=None, params={}, workdir=str(tmp_path))
     assert seen["args"] == ["--max-model-len", "512"]

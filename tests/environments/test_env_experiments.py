@@ -113,7 +113,7 @@ def test_search_reinforce_pp_config_runs_oracle_chains(qwen_tokenizer):  # noqa:
 
     backend = FakeScriptedBackend(qwen_tokenizer, script)
     agent, train, heldout = build_agent(config, backend, qwen_tokenizer)
-    assert len(heldout) == 53 and len(train) > 500  # the held-out "test" half0
+    assert len(heldout) == 64 and len(train) > 5000
     rows.update({row["question"]: row for row in heldout})
     assert list(agent.tools) == ["search"] and agent.reward_fn.name == "qa_exact_match"
 
