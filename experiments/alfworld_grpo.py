@@ -21,6 +21,7 @@ def get_config(arg: str | None = None):
     c = base("runs/alfworld_grpo", "alfworld", suite_dir="", num_train_games=240, num_test_games=60, max_steps=50,
              pool_size=64)
     agentfly_grpo(c)
+    c.eval.num_tasks = 60  # every held-out row
     c.task.update(dict(num_train=240, num_eval=60))
     tiny_policy(c)
     c.seq_buckets = (1024, 2048, 4096, 8192)

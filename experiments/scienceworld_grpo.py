@@ -18,6 +18,7 @@ from experiments.common import agentfly_grpo, base, cpu_plumbing, tiny_policy
 def get_config(arg: str | None = None):
     c = base("runs/scienceworld_grpo", "scienceworld", task_names="all", max_steps=100, pool_size=16)
     agentfly_grpo(c)
+    c.eval.num_tasks = 60  # every held-out row
     c.task.update(dict(num_train=600, num_eval=60, eval_split="test"))
     tiny_policy(c, max_position_embeddings=8192)
     c.seq_buckets = (2048, 4096, 8192)

@@ -23,6 +23,7 @@ def get_config(arg: str | None = None):
     c = base("runs/webshop_grpo", "webshop", source="generated", seed=0, num_products=1000, items_path="",
              attributes_path="", human_goals_path="", max_actions=30, pool_size=64)
     agentfly_grpo(c)
+    c.eval.num_tasks = 53  # every held-out row
     c.task.update(dict(num_train=0, num_eval=53))  # the whole held-out "test" half (53 of 106 goals)
     tiny_policy(c)
     c.seq_buckets = (1024, 2048, 4096)

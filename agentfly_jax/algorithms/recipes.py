@@ -63,8 +63,14 @@ class Recipe:
         missing = [k for k in self.advantage_knobs if k not in params]
         if missing:
             raise ValueError(f"recipe {self.name!r}: estimator {self.estimator!r} takes no {missing}")
-        if self.kl_in_reward and "token_kl" not in params and "token_rewards" not in params:
-            raise ValueError(f"recipe {self.name!r}: estimator {self.estimator!r} takes no per-token KL")
+        # KL in the reward reaches an estimator as token_rewards (built by compute_advantages) or token_kl + kl_coef
+        if self.kl_in_reward and "token_rewards" not in params and not {"token_kl", "kl_coef"} <= set(params):
+            raise ValueError(f"recipe {self.name!r}: estimator {self.estimator!r} takes no per-token KL "
+                             "(token_rewards, or token_kl and kl_coef)")
+        loss_params = inspect.signature(get_policy_loss(self.policy_loss)).parameters
+        missing = [k for k in ("clip_eps", "clip_eps_high", "dual_clip", "weights") if k not in loss_params]
+        if missing:  # what the trainer's policy_loss passes to every registered loss
+            raise ValueError(f"recipe {self.name!r}: policy loss {self.policy_loss!r} takes no {missing}")
 
     def resolve(self, advantage: Mapping[str, Any], loss: Mapping[str, Any]) -> "ResolvedAlgorithm":
         """The settings this recipe runs with, from the `advantage` and `loss` config sections (None = unset).

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from agentfly_jax.envs.manager import PoolConfig, ResourceManager, resolve_factory
+from agentfly_jax.envs.manager import PoolConfig, ResourceManager
 from agentfly_jax.envs.spec import EnvSpec, load_env_spec
 from agentfly_jax.rewards.decorator import REWARD_REGISTRY, Reward
 from agentfly_jax.tools.decorator import TOOL_REGISTRY, Tool
@@ -40,6 +40,7 @@ class TaskSetup:
     reward: Any
     pools: dict[str, dict]
     success_threshold: float
+    agent_class: type
 
 
 def build_task_setup(cfg: TrainConfig) -> TaskSetup:
@@ -56,7 +57,11 @@ def build_task_setup(cfg: TrainConfig) -> TaskSetup:
     reward = _resolve_named(cfg.agent.reward, "config.agent.reward", Reward) if cfg.agent.reward else spec.reward
     pools = dict(spec.pools if spec else {})
     for name, pool in cfg.envs.items():
-        pools[name] = {**pools.get(name, {}), **pool}
+        if not isinstance(pool, dict):
+            raise ConfigError(f"config.envs.{name}: expected a pool config (factory, kwargs, max_size, ...), "
+                              f"got {pool!r}")
+        base = pools.get(name, {})  # a plugin's pool: override its fields, and its kwargs key by key
+        pools[name] = {**base, **pool, "kwargs": {**base.get("kwargs", {}), **pool.get("kwargs", {})}}
     for name, pool in pools.items():  # fail now, not when the first chain asks for an instance
         try:
             PoolConfig(**pool)
@@ -73,7 +78,10 @@ def build_task_setup(cfg: TrainConfig) -> TaskSetup:
     threshold = cfg.agent.success_threshold
     if threshold is None:
         threshold = spec.success_threshold if spec else 1.0
-    return TaskSetup(spec=spec, tools=tools, reward=reward, pools=pools, success_threshold=threshold)
+    kind = cfg.agent.type or (spec.agent if spec else "tool_calling")
+    where = "config.agent.type" if cfg.agent.type else f"environment {spec.name!r}'s agent" if spec else "agent"
+    return TaskSetup(spec=spec, tools=tools, reward=reward, pools=pools, success_threshold=threshold,
+                     agent_class=agent_class(kind, where))
 
 
 def _resolve_named(name: str, key: str, kind: type):
@@ -102,8 +110,11 @@ def build_tasks(cfg: TrainConfig, setup: TaskSetup) -> tuple[list[dict], list[di
     """(train rows, held-out rows): the spec's splits, or the user's JSON/JSONL files."""
     task = cfg.task
     if setup.spec is not None:
-        train = setup.spec.split_tasks("train", task.num_train, cfg.seed)
-        heldout = setup.spec.split_tasks(task.eval_split, task.num_eval, cfg.seed) if task.num_eval else []
+        try:
+            train = setup.spec.split_tasks("train", task.num_train, cfg.seed)
+            heldout = setup.spec.split_tasks(task.eval_split, task.num_eval, cfg.seed) if task.num_eval else []
+        except ValueError as e:  # e.g. more held-out rows than the split has, an unknown split
+            raise ConfigError(f"config.task: {e}") from None
         return train, heldout
     from agentfly_jax.rollout.data import load_tasks
 
@@ -131,7 +142,7 @@ def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict
         return [(sft.steps, [r["messages"] for r in rows])]
     stages = sft.stages
     if sft.steps:  # steps without data_path: one stage of the environment's demonstrations
-        stages = ((sft.steps, sft.expert_fraction),)
+        stages = ((sft.steps, 1.0 if sft.expert_fraction is None else sft.expert_fraction),)
     if not stages:
         return []
     if setup.spec is None or setup.spec.demonstrations is None:
@@ -220,24 +231,29 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None):
         servers = LocalVLLMServers(model_dir, v.num_servers, extra_args=server_args,
                                    run_dir=os.path.join(workdir, "vllm"))
         urls = servers.start()
-    return VLLMBackend(urls, model, owned_servers=servers, weight_sync=v.weight_sync,
-                       request_timeout=v.request_timeout, max_retries=v.max_retries)
+    return VLLMBackend(urls, model, owned_servers=servers, weight_sync=v.weight_sync, weight_dir=v.weight_dir or None,
+                       served_model_name=v.served_model_name, request_timeout=v.request_timeout,
+                       update_timeout=v.update_timeout, max_retries=v.max_retries)
 
 
 AGENT_TYPES = {"tool_calling": "ToolCallingAgent", "react": "ReactAgent", "code": "CodeAgent"}
 
 
-def agent_class(kind: str):
+def agent_class(kind: str, where: str = "config.agent.type"):
     """The agent class of `kind`: a built-in type name or an import path 'package.module:AgentClass'."""
     from agentfly_jax.rollout import agents
 
     if ":" in kind:
-        cls = resolve_factory(kind)
+        module_name, _, attr = kind.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"{where}={kind!r} cannot be imported ({e}); expected 'package.module:AgentClass'") from None
         if not (isinstance(cls, type) and issubclass(cls, agents.BaseAgent)):
-            raise ConfigError(f"config.agent.type={kind!r} is not a subclass of agentfly_jax.rollout.agents.BaseAgent")
+            raise ConfigError(f"{where}={kind!r} is not a subclass of agentfly_jax.rollout.agents.BaseAgent")
         return cls
     if kind not in AGENT_TYPES:
-        raise ConfigError(f"config.agent.type={kind!r}; expected one of {sorted(AGENT_TYPES)} or an import path "
+        raise ConfigError(f"{where}={kind!r}; expected one of {sorted(AGENT_TYPES)} or an import path "
                           "'package.module:AgentClass'")
     return getattr(agents, AGENT_TYPES[kind])
 
@@ -245,13 +261,13 @@ def agent_class(kind: str):
 def build_agent(cfg: TrainConfig, setup: TaskSetup, backend, tokenizer, env_provider=None):
     a = cfg.agent
     spec = setup.spec
-    cls = agent_class(a.type or (spec.agent if spec else "tool_calling"))
+    cls = setup.agent_class
     system_prompt = a.system_prompt if a.system_prompt is not None else ((spec.system_prompt if spec else "") or None)
     options = dict(max_turns=a.max_turns or (spec.max_turns if spec else 4),
                    max_observation_chars=a.max_observation_chars or (spec.max_observation_chars if spec else None),
                    max_new_tokens=a.max_new_tokens, max_context_tokens=a.max_context_tokens,
                    temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, parallel_tool_calls=a.parallel_tool_calls,
-                   tool_timeout=a.tool_timeout, max_concurrency=a.max_concurrency)
+                   tool_timeout=a.tool_timeout, max_concurrency=a.max_concurrency, stop_token_ids=a.stop_token_ids)
     return cls(backend, tokenizer, tools=setup.tools, reward_fn=setup.reward, chat_template=cfg.chat_template or None,
                system_prompt=system_prompt, env_provider=env_provider, **options)
 

@@ -119,6 +119,7 @@ class AgentSection:
     parallel_tool_calls: bool = True
     tool_timeout: float | None = None
     max_concurrency: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +138,10 @@ class VLLMSection:
     num_servers: int = knob(1, *POSITIVE)
     server_args: tuple[str, ...] = ()
     weight_sync: str = knob("memory", *_one_of("memory", "file"))
+    weight_dir: str = ""  # weight_sync="file": a directory the servers can read ("": a local temp dir)
+    served_model_name: str | None = None
     request_timeout: float = knob(600.0, *POSITIVE)
+    update_timeout: float = knob(900.0, *POSITIVE)
     max_retries: int = knob(3, *NON_NEGATIVE)
 
 
@@ -164,7 +168,7 @@ class SFTSection:
 
     stages: tuple[tuple[int, float], ...] = ()
     steps: int = knob(0, *NON_NEGATIVE)
-    expert_fraction: float = knob(1.0, lambda v: 0 <= v <= 1, "in [0, 1]")
+    expert_fraction: float | None = knob(None, lambda v: v is None or 0 <= v <= 1, "in [0, 1]")  # with steps
     batch_size: int = knob(16, *POSITIVE)
     data_path: str = ""
     optimizer: OptimizerConfig = knob(factory=lambda: OptimizerConfig(learning_rate=1e-5))
@@ -301,7 +305,25 @@ class TrainConfig:
                                   "('package.module:reward_fn' or a registered reward name)")
             if self.task.num_eval and not self.task.eval_path:
                 raise ConfigError("config.task.num_eval > 0 needs config.task.eval_path (held-out JSONL tasks); "
-                                  "or set config.task.num_eval=0")
+                                  "or set config.task.num_eval=0 and config.eval.num_tasks=0")
+            if self.env.options:
+                raise ConfigError(f"config.env.options {sorted(self.env.options)} have no effect without "
+                                  "config.env.name (a task from files has no environment plugin)")
+        else:
+            for key in ("train_path", "eval_path"):
+                if getattr(self.task, key):
+                    raise ConfigError(f"config.task.{key} has no effect with config.env.name={self.env.name!r} "
+                                      "(its tasks come from the environment): unset one of them")
+        if self.eval.num_tasks > self.task.num_eval:
+            raise ConfigError(f"config.eval.num_tasks={self.eval.num_tasks} but config.task.num_eval="
+                              f"{self.task.num_eval} held-out rows are loaded: lower eval.num_tasks or raise num_eval")
+        for name, opt in (("optimizer", self.optimizer), ("sft.optimizer", self.sft.optimizer),
+                          ("critic.optimizer", self.critic.optimizer)):
+            if opt.schedule == "constant" and (opt.decay_steps or opt.end_lr_ratio):
+                raise ConfigError(f"config.{name}.decay_steps / end_lr_ratio have no effect with schedule='constant': "
+                                  f"set config.{name}.schedule='cosine' or 'linear', or unset them")
+            if opt.end_lr_ratio and not opt.decay_steps:
+                raise ConfigError(f"config.{name}.end_lr_ratio has no effect without config.{name}.decay_steps > 0")
         if self.backend == "vllm":
             if self.vllm.launch and self.vllm.urls:
                 raise ConfigError("config.vllm.launch=True starts its own servers: leave config.vllm.urls empty")
@@ -319,6 +341,11 @@ class TrainConfig:
         if self.sft.steps and not self.sft.data_path and not self.env.name:
             raise ConfigError("config.sft.steps > 0 needs config.sft.data_path (JSONL of {'messages': [...]}) "
                               "or an environment with demonstrations (config.sft.stages)")
+        if self.sft.data_path and not self.sft.steps:
+            raise ConfigError("config.sft.data_path is set but config.sft.steps=0: set the number of SFT steps")
+        if self.sft.expert_fraction is not None and (self.sft.stages or self.sft.data_path or not self.sft.steps):
+            raise ConfigError("config.sft.expert_fraction only applies to config.sft.steps on the environment's "
+                              "demonstrations (stages carry their own fractions; data_path has none): unset it")
         if self.rl.tasks_per_step * self.rl.chains_per_task < self.rl.mini_batches:
             raise ConfigError(f"config.rl.mini_batches={self.rl.mini_batches} is more than the "
                               f"{self.rl.tasks_per_step * self.rl.chains_per_task} chains of a step")
@@ -354,8 +381,10 @@ def build_section(cls, mapping: Mapping[str, Any] | None, where: str):
     mapping = _plain(mapping)
     if mapping is None:
         mapping = {}
-    if dataclasses.is_dataclass(mapping):
-        return mapping
+    if dataclasses.is_dataclass(mapping):  # an instance is checked like its fields would be
+        if not isinstance(mapping, cls):
+            raise ConfigError(f"{where}: expected {cls.__name__}, got {type(mapping).__name__}")
+        mapping = {f.name: getattr(mapping, f.name) for f in dataclasses.fields(mapping)}
     if not isinstance(mapping, Mapping):
         raise ConfigError(f"{where}: expected a section (mapping of keys), got {type(mapping).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -449,7 +478,8 @@ def _to_config_dict(section) -> ml_collections.ConfigDict:
             out[f.name] = ml_collections.ConfigDict(value)
         elif value is None:
             arms = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
-            out[f.name] = config_dict.placeholder(arms[0] if arms else object)
+            arm = arms[0] if arms else object
+            out[f.name] = config_dict.placeholder(typing.get_origin(arm) or arm)  # tuple[int, ...] -> tuple
         else:
             out[f.name] = value
     return out

@@ -76,7 +76,7 @@ def _optimizer(cfg: OptimizerConfig):
 # ================================================================================================ setup
 def setup(config, workdir: str | None = None) -> Run:
     """Validates the config (a ConfigDict, dict or TrainConfig) and builds everything a run holds."""
-    cfg = config if isinstance(config, TrainConfig) else TrainConfig.build(config)
+    cfg = TrainConfig.build(config)  # a TrainConfig instance is checked again too
     alg = cfg.resolved_algorithm()
     workdir = workdir or cfg.workdir
     os.makedirs(workdir, exist_ok=True)
@@ -219,7 +219,7 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     cfg = run.config
     arrays = trajectories_to_batch(trajectories, pad_to=choose_bucket(max(t.length for t in trajectories),
                                                                        cfg.seq_buckets))
-    minibatch = assign_minibatches(len(trajectories), cfg.rl.mini_batches, np.random.default_rng(cfg.seed * 31 + step))
+    minibatch = assign_minibatches(len(trajectories), cfg.rl.mini_batches, np.random.default_rng([cfg.seed, step, 0]))
     batch = pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
                       rewards=arrays["rewards"], group_ids=arrays["group_ids"], minibatch=minibatch,
                       num_minibatches=cfg.rl.mini_batches, micro_batches=cfg.rl.micro_batches,
@@ -232,7 +232,7 @@ def update(run: Run, batch: UpdateBatch, step: int) -> dict:
     """`rl.ppo_epochs` passes over the step's mini-batches (in a new order each epoch), one optimiser step per
     mini-batch; returns the last mini-batch's metrics."""
     cfg = run.config
-    rng = np.random.default_rng(cfg.seed * 31 + step + 1)
+    rng = np.random.default_rng([cfg.seed, step, 1])  # its own stream: not the next step's assignment
     metrics = {}
     for _ in range(cfg.rl.ppo_epochs):
         for k in rng.permutation(batch.num_minibatches):
