@@ -44,6 +44,7 @@ def cpu_plumbing(c: ConfigDict, *, context: int = 1024, buckets=(1024,), turns: 
     """The `:cpu` variant: `steps` small RL steps of the tiny policy (2 chains a task), short turns, and a held-out
     eval of `eval_tasks` rows before and after (none by default); minutes on 2 cores."""
     c.rl.update(dict(steps=steps, tasks_per_step=tasks_per_step, chains_per_task=2, mini_batches=1, micro_batches=1))
+    c.optimizer.warmup_steps = 0  # a one- or two-step run still updates the weights
     c.task.num_eval = 2 * eval_tasks
     c.eval.update(dict(num_tasks=eval_tasks, every=0))
     c.agent.update(dict(max_turns=turns, max_new_tokens=new_tokens, max_context_tokens=context))
