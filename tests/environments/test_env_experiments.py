@@ -148,7 +148,7 @@ def test_react_config_plays_expert_plans_through_its_tools_and_pool(name, pool, 
     pytest.importorskip(pool, reason="needs the envs extra: pip install -e '.[envs]'")
     from environments.evaluation import render_react_turn
 
-    overrides = {"task.num_train": 4, "task.num_eval": 2}
+    overrides = {"task.num_train": 4, "task.num_eval": 2, "eval.num_tasks": 2}
     if pool == "scienceworld":  # two tasks with short gold paths (the held-out rows take one of each)
         overrides["env.options.task_names"] = "lifespan-longest-lived,find-plant"
     else:
