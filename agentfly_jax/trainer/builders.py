@@ -84,15 +84,20 @@ def build_task_setup(cfg: TrainConfig) -> TaskSetup:
                      agent_class=agent_class(kind, where))
 
 
+def _import_path(path: str, where: str, what: str):
+    """The object at import path 'package.module:name'; a ConfigError starting with `where` otherwise."""
+    module_name, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{where} cannot be imported ({e}); expected 'package.module:{what}'") from None
+
+
 def _resolve_named(name: str, key: str, kind: type):
     """A tool or reward given as an import path ("package.module:name") is imported and must be a `kind`
     (@tool / @reward object); a plain name is looked up in the registries."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{key}: {name!r} cannot be imported ({e}); expected 'package.module:name'") from None
+        obj = _import_path(name, f"{key}: {name!r}", "name")
     else:
         registry = TOOL_REGISTRY if kind is Tool else REWARD_REGISTRY
         if name not in registry:
@@ -244,11 +249,7 @@ def agent_class(kind: str, where: str = "config.agent.type"):
     from agentfly_jax.rollout import agents
 
     if ":" in kind:
-        module_name, _, attr = kind.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"{where}={kind!r} cannot be imported ({e}); expected 'package.module:AgentClass'") from None
+        cls = _import_path(kind, f"{where}={kind!r}", "AgentClass")
         if not (isinstance(cls, type) and issubclass(cls, agents.BaseAgent)):
             raise ConfigError(f"{where}={kind!r} is not a subclass of agentfly_jax.rollout.agents.BaseAgent")
         return cls
