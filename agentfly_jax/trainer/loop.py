@@ -26,13 +26,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
-from agentfly_jax.models import save_pretrained
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.trainer import builders
 from agentfly_jax.trainer.batch import UpdateBatch, assign_minibatches, choose_bucket, pack_step
 from agentfly_jax.trainer.checkpoint import Checkpointer
 from agentfly_jax.trainer.config import OptimizerConfig, TrainConfig
+from agentfly_jax.trainer.export import export_policy
 from agentfly_jax.trainer.metrics import MetricWriter
 from agentfly_jax.trainer.state import (TrainState, create_train_state, init_model_state,
                                         learning_rate_schedule, make_optimizer, state_shardings)
@@ -315,10 +315,11 @@ def train(config, workdir: str | None = None) -> dict:
         # --- Final eval, checkpoint, summary ----------------------------------------------------------
         after = evaluate(run, cfg.rl.steps) if cfg.eval.num_tasks else {}
         _save(run, cfg.rl.steps, before, force=True)
-        # The trained policy in Hugging Face format (transformers and vLLM load it), with its tokenizer.
+        # The trained policy in Hugging Face format (transformers and vLLM load it), with its tokenizer, the chat
+        # template used in training and the turn's stop tokens as eos (trainer/export.py).
         final_dir = os.path.join(workdir, "final_policy")
-        save_pretrained(run.policy, jax.device_get(run.state.policy.params), final_dir)
-        run.tokenizer.save_pretrained(final_dir)
+        export_policy(run.policy, jax.device_get(run.state.policy.params), run.tokenizer, final_dir,
+                      stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None)
         summary = {"algorithm": cfg.algorithm, "environment": cfg.env.name or cfg.task.train_path,
                    "success_before": before.get("eval/success"), "success_after": after.get("eval/success"),
                    "success_before_sampled": before.get("eval/success_sampled"),
