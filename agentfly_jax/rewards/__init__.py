@@ -1,4 +1,5 @@
-"""Rewards: the `@reward` decorator (dataset fields by parameter name) and built-in math/QA rewards."""
+"""Rewards: the `@reward` decorator (dataset fields by parameter name) and built-in math/QA rewards
+(`math_match`, `math_verify_match` graded by math-verify, `qa_exact_match`, `qa_f1`)."""
 
 from agentfly_jax.rewards.decorator import (
     REWARD_REGISTRY,
@@ -20,6 +21,7 @@ from agentfly_jax.rewards.math_answers import (
     normalize_math_answer,
     parse_number,
 )
+from agentfly_jax.rewards.math_verify import math_verify_equal, math_verify_match
 from agentfly_jax.rewards.qa import normalize_qa_answer, qa_exact_match, qa_f1, token_f1
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "extract_final_answer_line",
     "math_answers_equal",
     "math_match",
+    "math_verify_equal",
+    "math_verify_match",
     "normalize_math_answer",
     "normalize_qa_answer",
     "parse_number",
