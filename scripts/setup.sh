@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything agentfly-jax needs on a fresh machine, idempotently: a second run only checks.
-#   - .venv/ in the repo root (reused when present) with the package (editable) and its test and envs extras.
+#   - .venv/ in the repo root (reused when present) with the package (editable) and its test, envs and models extras.
 # Re-installs only when pyproject.toml, setup.cfg or scripts/constraints.txt changed since the last good run.
 set -euo pipefail
 
@@ -24,7 +24,7 @@ else
   "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
   # torch is pinned to the CPU build in constraints.txt: an unpinned torch pulls a multi-GB CUDA build.
   # The venv's bin first on PATH: source builds (textworld's fast-downward) run `python` in a subprocess.
-  PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test,envs]" 2>&1 \
+  PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[test,envs,models]" 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   # CUDA-linked vision/audio wheels break `import transformers` beside the CPU torch; nothing needs them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -41,7 +41,7 @@ else
 fi
 
 # Optional parts, each idempotent and each owning its own installs (system packages, extra venvs, daemons).
-for part in scripts/setup_sandbox.sh scripts/setup_vllm.sh scripts/setup_envs.sh; do
+for part in scripts/setup_sandbox.sh scripts/setup_vllm.sh scripts/setup_envs.sh scripts/setup_models.sh; do
   if [ -f "$part" ]; then
     bash "$part"
   fi
