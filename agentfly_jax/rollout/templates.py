@@ -305,6 +305,9 @@ NAMED_TEMPLATES: dict[str, Callable[..., list[TextChunk]]] = {
     "llama3": render_llama3,
 }
 
+#: The token each named template writes to end an assistant turn (generation must stop there).
+NAMED_END_OF_TURN: dict[str, str] = {"qwen2.5": "<|im_end|>", "llama3": "<|eot_id|>"}
+
 
 # --------------------------------------------------------------------------------------------------
 # The generic path: a Hugging Face Jinja chat template
@@ -340,14 +343,15 @@ def _raise_not_append_only(tokenizer: Any, before: str, after: str, what: str) -
     )
 
 
-def _generated_length(tokenizer: Any, turn_text: str) -> int:
+def _generated_length(tokenizer: Any, turn_text: str, end_tokens: Sequence[str] = ()) -> int:
     """Length of what the model writes at the start of `turn_text`: through its last special token.
 
-    A model stops at its end-of-turn token (a special token); template text after it is not generated.
-    A turn without special tokens counts as generated in full.
+    A model stops at its end-of-turn token (a special token, or one of `end_tokens`: the template's end-of-turn
+    token, which a converted tokenizer need not mark special); template text after it is not generated.
+    A turn without such tokens counts as generated in full.
     """
     end = 0
-    for token in tokenizer.all_special_tokens:
+    for token in {*tokenizer.all_special_tokens, *end_tokens}:
         found = turn_text.rfind(token)
         if found >= 0:
             end = max(end, found + len(token))
@@ -364,6 +368,22 @@ class JinjaRenderer:
             )
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self._end_tokens: tuple[str, ...] | None = None
+
+    @property
+    def end_tokens(self) -> tuple[str, ...]:
+        """The added token(s) this template writes right after an assistant turn's content."""
+        if self._end_tokens is None:
+            mark = "\u2063agentfly-end-probe\u2063"
+            try:
+                text = self.render_text([{"role": "user", "content": "ping"},
+                                         {"role": "assistant", "content": mark}], None, False)
+            except Exception:  # noqa: BLE001 - a template that refuses this probe names no end token
+                text = ""
+            after = text[text.rfind(mark) + len(mark):] if mark in text else ""
+            added = [t for t in _added_vocab(self.tokenizer) if t and after.startswith(t)]
+            self._end_tokens = (max(added, key=len),) if added else ()
+        return self._end_tokens
 
     def render_text(
         self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool
@@ -414,7 +434,8 @@ class JinjaRenderer:
                 )
             turn_start = len(prompt_text)
             generated_spans.append(
-                (turn_start, turn_start + _generated_length(self.tokenizer, through_text[turn_start:]))
+                (turn_start,
+                 turn_start + _generated_length(self.tokenizer, through_text[turn_start:], self.end_tokens))
             )
         out = _ChunkWriter()
         cursor = 0
@@ -424,6 +445,36 @@ class JinjaRenderer:
             cursor = end
         out.add(full_text[cursor:])
         return out.chunks
+
+
+def _added_vocab(tokenizer: Any) -> dict[str, int]:
+    """{token: id} of the tokenizer's added tokens (special or not), {} for tokenizers without any."""
+    getter = getattr(tokenizer, "get_added_vocab", None)
+    try:
+        return dict(getter()) if getter else {}
+    except (NotImplementedError, TypeError):
+        return {}
+
+
+def end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> list[int]:
+    """Ids of the token that ends an assistant turn under `chat_template`, whatever the tokenizer marks special.
+
+    Named templates know their end-of-turn text (`NAMED_END_OF_TURN`); a Jinja template (given or the
+    tokenizer's own) is rendered once to find the added token it writes right after an assistant's content.
+    [] when that text is not a single token of this tokenizer.
+    """
+    renderer = resolve_template(tokenizer, chat_template)
+    if isinstance(renderer, JinjaRenderer):
+        texts = renderer.end_tokens
+    else:
+        name = next(n for n, r in NAMED_TEMPLATES.items() if r is renderer)
+        texts = (NAMED_END_OF_TURN[name],)
+    ids = []
+    for text in texts:
+        encoded = _encode_text(tokenizer, text)
+        if len(encoded) == 1 and encoded[0] not in ids:
+            ids.append(int(encoded[0]))
+    return ids
 
 
 def _looks_like_jinja(text: str) -> bool:
@@ -537,6 +588,8 @@ class ConversationEncoder:
         self.tools = _tool_schemas(tools)
         self._chat_template = chat_template
         self._render = resolve_template(tokenizer, chat_template, self.tools)
+        # ids that end a turn: the tokenizer's special tokens and the template's end-of-turn token
+        self._end_ids = set(tokenizer.all_special_ids) | set(end_of_turn_ids(tokenizer, chat_template))
         self.messages: list[Message] = []
         self.token_ids: list[int] = []
         self.action_mask: list[int] = []
@@ -560,7 +613,8 @@ class ConversationEncoder:
         if isinstance(self._render, JinjaRenderer):
             through_text = self._render.render_text(self.messages + [message], self.tools, False)
             self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
-            return through_text, turn_start + _generated_length(self.tokenizer, through_text[turn_start:])
+            return through_text, turn_start + _generated_length(self.tokenizer, through_text[turn_start:],
+                                                                self._render.end_tokens)
         chunks = self._chunks(self.messages + [message], False)
         through_text = "".join(chunk.text for chunk in chunks)
         self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
@@ -600,7 +654,7 @@ class ConversationEncoder:
 
     def _message_from_sampled(self, sampled_ids: Sequence[int]) -> Message:
         ids = list(sampled_ids)
-        if ids and ids[-1] in set(self.tokenizer.all_special_ids):
+        if ids and ids[-1] in self._end_ids:
             ids = ids[:-1]  # the end-of-turn token is not part of the content
         return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=False)}
 
@@ -630,7 +684,7 @@ class ConversationEncoder:
             self.tokenizer, through_text[len(self._rendered_text) : generated_end]
         )
         rendered_end_id = rendered_turn_ids[-1] if rendered_turn_ids else None
-        if rendered_end_id in set(self.tokenizer.all_special_ids) and list(sampled_ids[-1:]) != [
+        if rendered_end_id in self._end_ids and list(sampled_ids[-1:]) != [
             rendered_end_id
         ]:
             end_of_turn_text = self.tokenizer.decode([rendered_end_id], skip_special_tokens=False)

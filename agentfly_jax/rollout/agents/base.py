@@ -16,7 +16,7 @@ from typing import Any
 
 from agentfly_jax.rewards.decorator import Reward, as_reward
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.rollout.templates import resolve_template
+from agentfly_jax.rollout.templates import end_of_turn_ids, resolve_template
 from agentfly_jax.rollout.trajectory import Trajectory
 from agentfly_jax.tools.context import EnvironmentProvider
 from agentfly_jax.tools.decorator import Tool, as_tool_table
@@ -124,10 +124,12 @@ class BaseAgent(abc.ABC):
         self._stop_set = set(self.stop_token_ids)
 
     def _default_stop_ids(self) -> list[int]:
+        """The chat template's end-of-turn token (whatever the tokenizer marks special), the tokenizer's eos,
+        and the known end-of-turn tokens the tokenizer lists as special."""
         special = set(self.tokenizer.all_special_tokens)
-        ids = []
+        ids = end_of_turn_ids(self.tokenizer, self.chat_template)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(eos, int):
+        if isinstance(eos, int) and eos not in ids:
             ids.append(eos)
         for token in END_OF_TURN_TOKENS:
             if token in special:
