@@ -83,7 +83,7 @@ class _Worker:
         try:
             self.process.kill()
             self.process.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - already gone
+        except Exception:  # noqa: BLE001, S110 - already gone
             pass
 
 

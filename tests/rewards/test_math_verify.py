@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from agentfly_jax.rewards import REWARD_REGISTRY, math_verify_equal, math_verify_match  # noqa: E402
-from agentfly_jax.rewards import math_verify as mv  # noqa: E402
+from agentfly_jax.rewards import REWARD_REGISTRY, math_verify_equal, math_verify_match
+from agentfly_jax.rewards import math_verify as mv
 
 
 def score(prediction, answer):
