@@ -295,3 +295,103 @@ async def evaluate(spec: EnvSpec, make_agent: Callable[[ResourceManager], Any], 
         for i, t in enumerate(trajectories)
     ]
     return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# SFT demonstrations recorded from the scripted policies
+# --------------------------------------------------------------------------------------------------
+
+
+def _final_answer(react_text: str) -> str:
+    marker = "Final Answer:"
+    return react_text.split(marker, 1)[1].strip() if marker in react_text else ""
+
+
+def trajectory_to_tool_calling(trajectory: Any) -> list[dict]:
+    """A scripted (ReAct) trajectory as the tool-calling conversation a model agent would have had: the user's
+    question, one assistant turn per tool call (with `tool_calls`) followed by its observation as a `tool`
+    message, then the final answer. Observations are the real ones the tools returned in that chain."""
+    messages = trajectory.messages or []
+    question = next((m["content"] for m in messages if m.get("role") == "user"), "")
+    out: list[dict] = [{"role": "user", "content": question}]
+    for record in trajectory.tool_call_records:
+        call = {"type": "function", "function": {"name": record.name, "arguments": dict(record.arguments)}}
+        out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        out.append({"role": "tool", "name": record.name,
+                    "content": record.observation if record.error is None else record.error})
+    last = messages[-1] if messages else {}
+    out.append({"role": "assistant",
+                "content": _final_answer(str(last.get("content", ""))) if last.get("role") == "assistant" else ""})
+    return out
+
+
+def trajectory_to_react(trajectory: Any) -> list[dict]:
+    """A scripted trajectory as ReAct demonstrations: its messages without the system prompt (the agent adds its
+    own), exactly as the scripted ReAct agent wrote them."""
+    return [dict(m) for m in (trajectory.messages or []) if m.get("role") != "system"]
+
+
+def recorded_demonstrations(spec_factory: Callable[[], EnvSpec], *, max_tasks: int = 256,
+                            min_reward: float | None = None):
+    """A `Demonstrations` function for environments whose only teacher is their scripted policies.
+
+    `demonstrations(tasks, rng, expert_fraction)` picks up to `max_tasks` of `tasks` (by `rng`), runs the
+    oracle on `expert_fraction` of them and the random policy on the rest through the real tools, pools and
+    reward (`scripted_agent`), and returns each chain as a conversation in the format of `spec.agent`
+    (tool-calling: assistant `tool_calls` + `tool` observations; ReAct: the scripted ReAct turns). Oracle chains
+    scoring below `min_reward` (default: the spec's success threshold) are dropped and counted in the log: a
+    demonstration must show the task solved. `spec_factory` builds the spec (called once per use, in a
+    worker thread with its own event loop, so it works whether or not the caller runs one).
+    """
+    import concurrent.futures
+    import logging
+
+    log = logging.getLogger(__name__)
+
+    def demonstrations(tasks: Sequence[Mapping[str, Any]], rng: random.Random, expert_fraction: float):
+        chosen = list(tasks)
+        if len(chosen) > max_tasks:
+            chosen = [chosen[i] for i in sorted(rng.sample(range(len(chosen)), max_tasks))]
+        expert = [rng.random() < expert_fraction for _ in chosen]
+
+        async def record(spec: EnvSpec):
+            manager = ResourceManager(dict(spec.pools))
+            try:
+                out = {}
+                for which, flag in (("oracle", True), ("random", False)):
+                    rows = [t for t, e in zip(chosen, expert) if e == flag]
+                    if rows and (spec.oracle_policy if flag else spec.random_policy) is None:
+                        raise ValueError(f"environment {spec.name!r} has no {which} policy to record "
+                                         "demonstrations from")
+                    if rows:
+                        agent = scripted_agent(spec, which, manager, seed=rng.randrange(1 << 30))
+                        out[which] = (rows, await agent.run(rows, num_chains=1, progress=False))
+                return out
+            finally:
+                await manager.close()
+
+        def in_thread():
+            spec = spec_factory()
+            return spec, asyncio.run(record(spec))
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            spec, recorded = pool.submit(in_thread).result()
+        convert = trajectory_to_react if spec.agent == "react" else trajectory_to_tool_calling
+        threshold = spec.success_threshold if min_reward is None else min_reward
+        conversations, dropped = [], 0
+        for which, (rows, trajectories) in recorded.items():
+            for trajectory in trajectories:
+                if which == "oracle" and trajectory.reward < threshold:
+                    dropped += 1
+                    continue
+                conversations.append(convert(trajectory))
+        if dropped:
+            log.warning("%s: %d of %d oracle demonstrations scored below %.2f and were dropped", spec.name,
+                        dropped, len(recorded.get("oracle", ((), ()))[1]), threshold)
+        if not conversations:
+            raise ValueError(f"no demonstrations recorded for {spec.name!r} ({len(chosen)} tasks, "
+                             f"{dropped} oracle chains below the reward threshold)")
+        rng.shuffle(conversations)
+        return conversations
+
+    return demonstrations

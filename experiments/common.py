@@ -2,9 +2,16 @@
 Qwen2-architecture policy used where no pretrained weights are given, the AgentFly-style RL numbers for the
 environment experiments, and the `:cpu` shrink that makes any experiment a minutes-long plumbing run on a CPU.
 """
+import os
+from pathlib import Path
+
 from ml_collections import ConfigDict
 
 from agentfly_jax.trainer.config import default_config
+
+#: The real pretrained policy set-up builds (scripts/build_smollm2.py): SmolLM2-135M-Instruct, dequantised Q4_1.
+SMOLLM2_DIR = os.environ.get("AGENTFLY_SMOLLM2_DIR",
+                             str(Path(__file__).resolve().parents[1] / ".cache" / "models" / "SmolLM2-135M-Instruct"))
 
 
 def base(workdir: str, env: str = "", **env_options) -> ConfigDict:
@@ -22,6 +29,19 @@ def tiny_policy(c: ConfigDict, max_position_embeddings: int = 4096) -> None:
     c.model.update(dict(hf_path="", family="qwen2", hidden_size=128, intermediate_size=384, num_layers=2,
                         num_heads=4, num_kv_heads=2, qkv_bias=True, tie_word_embeddings=True,
                         max_position_embeddings=max_position_embeddings, dtype="float32"))
+
+
+def smollm2(c: ConfigDict, *, cpu: bool = False) -> None:
+    """The real pretrained policy: SmolLM2-135M-Instruct (134.5M parameters, 49,152-token vocabulary, 8,192
+    context; dequantised 4-bit weights, not the original bf16 release) with its own tokenizer, prompted with the
+    qwen2.5 template (ChatML with tools: the same `<|im_start|>`/`<|im_end|>` tokens as the model's own
+    template, plus a tool section). Mixed precision: bf16 compute over fp32 master parameters (fp32 on a CPU,
+    where bf16 matmuls are slow)."""
+    c.model.hf_path = SMOLLM2_DIR
+    c.tokenizer.update(dict(path=SMOLLM2_DIR, kind=""))
+    c.chat_template = "qwen2.5"
+    c.model.update(dict(dtype="float32" if cpu else "bfloat16", param_dtype="float32"))
+    c.vllm.server_args = ("--dtype", "float32" if cpu else "bfloat16")
 
 
 def agentfly_grpo(c: ConfigDict) -> None:

@@ -99,14 +99,34 @@ def assign_minibatches(num: int, mini_batches: int, rng: np.random.Generator) ->
     return minibatch
 
 
+def micro_batch_count(rows_needed: int, *, micro_batches: int, rows_multiple: int, row_len: int,
+                      max_tokens: int | None) -> int:
+    """How many micro-batches a mini-batch of `rows_needed` packed rows is split into: at least
+    `micro_batches`, and enough that one holds at most `max_tokens` tokens (rows x row_len; at least
+    `rows_multiple` rows whatever the budget). Counts above `micro_batches` are rounded up to 1, 2, 3, 4, 6, 8,
+    12, 16, ... so that steps of similar size share compiled shapes."""
+    if not max_tokens:
+        return micro_batches
+    cap_rows = max(rows_multiple, (max_tokens // row_len) // rows_multiple * rows_multiple)
+    needed = -(-rows_needed // cap_rows)
+    if needed <= micro_batches:
+        return micro_batches
+    nice = 1
+    while nice < needed:
+        nice = nice * 3 // 2 if nice & (nice - 1) == 0 and nice >= 2 else (nice * 4 // 3 if nice >= 3 else nice + 1)
+    return nice
+
+
 def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.ndarray, lengths: np.ndarray, *,
               rewards: np.ndarray, group_ids: np.ndarray, minibatch: np.ndarray, num_minibatches: int,
-              micro_batches: int = 1, rows_multiple: int = 1, row_len: int | None = None) -> UpdateBatch:
+              micro_batches: int = 1, rows_multiple: int = 1, row_len: int | None = None,
+              micro_batch_tokens: int | None = None) -> UpdateBatch:
     """Packs per-trajectory arrays `[N, T]` into an UpdateBatch (numpy leaves).
 
     Each mini-batch is packed into rows of `row_len` (default T) tokens by first-fit-decreasing; every
     mini-batch gets the same row count R: the most any needs, rounded up to `micro_batches * rows_multiple`
     (pass the data-parallel size times a row bucket, so rows split evenly over devices and shapes repeat).
+    `micro_batch_tokens` raises the micro-batch count where one would hold more tokens (`micro_batch_count`).
     """
     tokens = np.asarray(tokens)
     n, t = tokens.shape
@@ -124,6 +144,8 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
         row, offset, used = first_fit_decreasing(lengths[members], row_len)
         placement.append((members, row, offset))
         used_max = max(used_max, used)
+    micro_batches = micro_batch_count(used_max, micro_batches=micro_batches, rows_multiple=rows_multiple,
+                                      row_len=row_len, max_tokens=micro_batch_tokens)
     rows = round_up(used_max, micro_batches * rows_multiple)
 
     def zeros(dtype):

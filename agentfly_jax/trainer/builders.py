@@ -219,7 +219,11 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None):
     if cfg.backend == "jax":
         from agentfly_jax.rollout.backends import JaxSampler
 
-        return JaxSampler(model, params, seed=cfg.seed, **dataclasses.asdict(cfg.jax_sampler))
+        # the sampler keeps its weights in the compute dtype (bf16 under mixed precision: half the memory
+        # traffic per decoded token); each weight sync casts the trained fp32 parameters to it
+        compute = jnp.dtype(model.config.dtype)
+        served = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        return JaxSampler(model, served, seed=cfg.seed, **dataclasses.asdict(cfg.jax_sampler))
     from agentfly_jax.rollout.backends import LocalVLLMServers, VLLMBackend
 
     v = cfg.vllm

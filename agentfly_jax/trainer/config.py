@@ -95,7 +95,9 @@ class ModelSection:
     max_position_embeddings: int = knob(4096, *POSITIVE)
     rope_theta: float = knob(10000.0, *POSITIVE)
     dtype: str = knob("float32", *_one_of("float32", "bfloat16", "float16"))
-    param_dtype: str | None = knob(None, *_one_of(None, "float32", "bfloat16", "float16"))
+    # storage dtype of the trained parameters: fp32 master weights by default whatever the compute dtype
+    # (mixed precision): Adam steps at RL learning rates are below bf16's resolution. None = `dtype`.
+    param_dtype: str | None = knob("float32", *_one_of(None, "float32", "bfloat16", "float16"))
     remat: bool = False
     attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
 
@@ -182,6 +184,9 @@ class RLSection:
     ppo_epochs: int = knob(1, *POSITIVE)
     mini_batches: int = knob(1, *POSITIVE)
     micro_batches: int = knob(1, *POSITIVE)
+    # upper bound on rows x row length of one micro-batch: a step with more tokens is split into more
+    # micro-batches (counts rounded to 1, 2, 3, 4, 6, 8, 12, ... so shapes repeat). None: `micro_batches` only.
+    micro_batch_tokens: int | None = knob(65536, lambda v: v is None or v > 0, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +211,9 @@ class LossSection:
     kl_loss_estimator: str | None = None
     entropy_coef: float | None = None
     temperature: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
-    logprob_chunk: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    # positions per chunk of the fp32 log-softmax (only [rows, chunk, vocab] logits exist at once, forward and
+    # backward); None: the whole sequence at once (a real vocabulary then needs [rows, length, vocab] fp32)
+    logprob_chunk: int | None = knob(256, lambda v: v is None or v > 0, "> 0")
     is_cap: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
 
 
@@ -246,6 +253,7 @@ class EvalSection:
     temperature: float = knob(1.0, *NON_NEGATIVE)
     top_p: float = knob(1.0, *PROBABILITY)
     sampled_chains: int = knob(0, *NON_NEGATIVE)
+    before_sft: bool = True  # with an SFT warm start, also evaluate before it (eval_before_sft/* scalars)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,6 +488,9 @@ def _to_config_dict(section) -> ml_collections.ConfigDict:
             arms = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
             arm = arms[0] if arms else object
             out[f.name] = config_dict.placeholder(typing.get_origin(arm) or arm)  # tuple[int, ...] -> tuple
+        elif type(None) in typing.get_args(hints[f.name]):  # optional with a default: may be set to None
+            arm = next(a for a in typing.get_args(hints[f.name]) if a is not type(None))
+            out[f.name] = config_dict.FieldReference(value, field_type=typing.get_origin(arm) or arm)
         else:
             out[f.name] = value
     return out

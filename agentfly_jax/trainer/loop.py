@@ -135,7 +135,9 @@ def setup(config, workdir: str | None = None) -> Run:
 def run_sft(run: Run) -> dict:
     """Supervised warm start on demonstrations (masked cross-entropy on the assistant tokens)."""
     cfg = run.config
-    stages = [(steps, [encode_conversation(run.tokenizer, m, chat_template=cfg.chat_template or None)
+    stages = [(steps, [encode_conversation(run.tokenizer, _as_agent_prompts(run.agent, m),
+                                           tools=run.agent.template_tools(),
+                                           chat_template=cfg.chat_template or None)
                        for m in demos])
               for steps, demos in builders.sft_conversations(cfg, run.task_setup, run.train_tasks)]
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
@@ -168,16 +170,28 @@ def run_sft(run: Run) -> dict:
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
+def _as_agent_prompts(agent, messages: list[dict]) -> list[dict]:
+    """A demonstration as the agent will see its tasks in RL: the agent's system message first (unless the
+    demonstration has its own), and the chat template renders the agent's tool schemas (passed by the caller)."""
+    if messages and messages[0].get("role") == "system":
+        return list(messages)
+    question = next((m.get("content") for m in messages if m.get("role") == "user"), "")
+    system = agent.system_message({"question": question})
+    return ([{"role": "system", "content": system}] if system else []) + list(messages)
+
+
 # ========================================================================================== evaluation
-def evaluate(run: Run, step: int) -> dict:
+def evaluate(run: Run, step: int, prefix: str = "eval") -> dict:
     """Success on held-out tasks: the headline pass decodes at (`eval.temperature`, `eval.top_p`; temperature 0
     is greedy) with `eval.num_chains` chains per task; `eval.sampled_chains` > 0 adds plain sampling at
-    temperature 1 (the training distribution, logged as eval/*_sampled) with that many chains per task."""
+    temperature 1 (the training distribution, logged as eval/*_sampled) with that many chains per task.
+    `prefix` names the scalars (`eval_before_sft` for the pass before the SFT warm start)."""
     ev = run.config.eval
     tasks = run.eval_tasks[:ev.num_tasks]
     result = _eval_pass(run, step, tasks, ev.temperature, ev.top_p, ev.num_chains, "")
     if ev.sampled_chains:
         result.update(_eval_pass(run, step, tasks, 1.0, 1.0, ev.sampled_chains, "_sampled"))
+    result = {prefix + key[len("eval"):]: value for key, value in result.items()}
     run.writer.scalars(step, result)
     return result
 
@@ -223,7 +237,7 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     batch = pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
                       rewards=arrays["rewards"], group_ids=arrays["group_ids"], minibatch=minibatch,
                       num_minibatches=cfg.rl.mini_batches, micro_batches=cfg.rl.micro_batches,
-                      rows_multiple=_rows_multiple(run))
+                      rows_multiple=_rows_multiple(run), micro_batch_tokens=cfg.rl.micro_batch_tokens)
     with _mesh_context(run):
         return run.prepare_fn(run.state, _put_batch(run, batch))
 
@@ -266,7 +280,7 @@ def train(config, workdir: str | None = None) -> dict:
     cfg, workdir = run.config, run.workdir
     try:
         # --- Load checkpoint (or warm start) --------------------------------------------------------
-        start_step, sft_metrics = 0, {}
+        start_step, sft_metrics, before_sft = 0, {}, {}
         restored = run.checkpointer.restore_latest(_checkpoint_tree(run)) if cfg.resume else None
         if restored is not None:
             start_step, tree, meta = restored
@@ -276,6 +290,8 @@ def train(config, workdir: str | None = None) -> dict:
             before = meta.get("eval_before") or {}
         else:
             if cfg.sft.steps or cfg.sft.stages:
+                if cfg.eval.num_tasks and cfg.eval.before_sft:
+                    before_sft = evaluate(run, 0, prefix="eval_before_sft")
                 sft_metrics = run_sft(run)
                 sync_weights(run, 0)
             before = evaluate(run, 0) if cfg.eval.num_tasks else {}
@@ -322,6 +338,10 @@ def train(config, workdir: str | None = None) -> dict:
                       stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None)
         summary = {"algorithm": cfg.algorithm, "environment": cfg.env.name or cfg.task.train_path,
                    "success_before": before.get("eval/success"), "success_after": after.get("eval/success"),
+                   "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"),
+                   "success_before_sft": before_sft.get("eval_before_sft/success"),
+                   "reward_before_sft": before_sft.get("eval_before_sft/reward"),
+                   "eval_episodes": cfg.eval.num_tasks * cfg.eval.num_chains,
                    "success_before_sampled": before.get("eval/success_sampled"),
                    "success_after_sampled": after.get("eval/success_sampled"),
                    "eval_temperature": cfg.eval.temperature, "eval_top_p": cfg.eval.top_p,
@@ -383,7 +403,7 @@ def _pack(run: Run, token_ids: list, action_masks: list) -> UpdateBatch:
     n = len(token_ids)
     return pack_step(tokens, mask, np.zeros_like(mask), lengths, rewards=np.zeros(n), group_ids=np.arange(n),
                      minibatch=np.zeros(n, np.int32), num_minibatches=1, micro_batches=run.config.rl.micro_batches,
-                     rows_multiple=_rows_multiple(run))
+                     rows_multiple=_rows_multiple(run), micro_batch_tokens=run.config.rl.micro_batch_tokens)
 
 
 def _put_batch(run: Run, batch: UpdateBatch) -> UpdateBatch:

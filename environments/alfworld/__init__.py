@@ -118,7 +118,7 @@ def random_policy(task, rng, steps: int = 25):
 
 
 def env_spec(*, suite_dir: str = "", num_train_games: int = 240, num_test_games: int = 60, max_steps: int = 50,
-             max_turns: int = 51, pool_size: int = 4, random_steps: int = 25):
+             max_turns: int = 51, pool_size: int = 4, random_steps: int = 25, demo_tasks: int = 128):
     """The ALFWorld environment's spec.
 
     suite_dir: a built suite (DIR with manifest.json, `python -m environments.alfworld.build`). Without it, each
@@ -126,8 +126,11 @@ def env_spec(*, suite_dir: str = "", num_train_games: int = 240, num_test_games:
     first use (≈ 0.6 s a game) and cached under ~/.cache/agentfly_jax/alfworld: the held-out games avoid the
     goals of that suite's train games, so the sizes are fixed by options rather than by how many rows a call
     asks for. max_steps: moves per game; max_turns: assistant turns per chain; pool_size: engines at once;
-    random_steps: the random policy's moves.
+    random_steps: the random policy's moves; demo_tasks: train games the scripted policies are recorded on for
+    SFT demonstrations (`environments.evaluation.recorded_demonstrations`).
     """
+    options = dict(locals())  # this spec's options: recorded demonstrations rebuild the same spec
+    from environments.evaluation import recorded_demonstrations
     from agentfly_jax.envs.spec import EnvSpec
 
     if not suite_dir and (num_train_games < 1 or num_test_games < 0):
@@ -158,6 +161,7 @@ def env_spec(*, suite_dir: str = "", num_train_games: int = 240, num_test_games:
         pools={POOL: pool},
         oracle_policy=oracle_policy,
         random_policy=lambda task, rng: random_policy(task, rng, random_steps),
+        demonstrations=recorded_demonstrations(lambda: env_spec(**options), max_tasks=demo_tasks),
         system_prompt=SYSTEM_PROMPT,
         agent="react",
         max_turns=max_turns,

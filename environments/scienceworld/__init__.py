@@ -116,17 +116,20 @@ def _task_name_list(task_names: str | list[str]) -> list[str] | None:
 
 
 def env_spec(*, task_names: str | list[str] = "eval", max_steps: int = 100, max_turns: int = 101,
-             pool_size: int = 4, random_steps: int = 20):
+             pool_size: int = 4, random_steps: int = 20, demo_tasks: int = 48):
     """The ScienceWorld environment's spec.
 
     task_names: "eval" (EVAL_TASK_NAMES), "all" (the simulator's 30 tasks), comma-separated names
     ("boil,melt") or a list. max_steps: moves per episode; max_turns: assistant turns per chain (the oracle
-    needs gold length + 1); pool_size: simulators (JVMs) at once; random_steps: the random policy's moves.
+    needs gold length + 1); pool_size: simulators (JVMs) at once; random_steps: the random policy's moves;
+    demo_tasks: train variations the scripted policies are recorded on for SFT demonstrations.
 
     Rows are `TaskRows` of (task, variation) pairs of the package's train / dev / test variations, round-robin
     over the tasks (`build_tasks`): a row's description is read from the simulator when it is first indexed,
     so asking for thousands of rows costs nothing up front. `num <= 0` asks for every variation of the split.
     """
+    options = dict(locals())  # this spec's options: recorded demonstrations rebuild the same spec
+    from environments.evaluation import recorded_demonstrations
     from agentfly_jax.envs.spec import EnvSpec
 
     names = _task_name_list(task_names)
@@ -145,6 +148,7 @@ def env_spec(*, task_names: str | list[str] = "eval", max_steps: int = 100, max_
         pools={POOL: pool},
         oracle_policy=oracle_policy,
         random_policy=lambda task, rng: random_policy(task, rng, random_steps),
+        demonstrations=recorded_demonstrations(lambda: env_spec(**options), max_tasks=demo_tasks),
         system_prompt=SYSTEM_PROMPT,
         agent="react",
         max_turns=max_turns,

@@ -67,10 +67,14 @@ def env_spec(
     max_turns: int = 45,
     pool_size: int = 64,
     random_steps: int = 15,
+    demo_tasks: int = 256,
 ):
     """The WebShop environment's spec. The options name the catalog: source "generated" (seed, num_products)
     or "official" (items_path, attributes_path, human_goals_path: the WebShop data files); the pool's shops
-    use the same catalog. max_actions: shop actions per episode; random_steps: the random shopper's actions."""
+    use the same catalog. max_actions: shop actions per episode; random_steps: the random shopper's actions; demo_tasks: train goals the oracle and random shoppers are
+    recorded on for SFT demonstrations (`environments.evaluation.recorded_demonstrations`)."""
+    options = dict(locals())  # this spec's options: recorded demonstrations rebuild the same spec
+    from environments.evaluation import recorded_demonstrations
     from agentfly_jax.envs.spec import EnvSpec
     from environments.webshop import POOL_CONFIG
     from environments.webshop.rewards import webshop_reward
@@ -113,6 +117,7 @@ def env_spec(
         pools={"webshop": pool},
         oracle_policy=lambda task, rng: oracle_policy(task, rng, max_actions=max_turns - 1),
         random_policy=lambda task, rng: random_policy(task, rng, random_steps),
+        demonstrations=recorded_demonstrations(lambda: env_spec(**options), max_tasks=demo_tasks),
         system_prompt=SYSTEM_PROMPT,
         agent="tool_calling",
         max_turns=max_turns,

@@ -129,8 +129,14 @@ def test_default_config_is_the_typed_defaults_with_placeholders():
     c = default_config()
     built = TrainConfig.build({**c.to_dict(), "tokenizer": {"kind": "env"}, "env": {"name": "arithmetic"}})
     assert built.rl == config_lib.RLSection() and built.loss == config_lib.LossSection()
-    for key in ("logprob_chunk", "dual_clip", "is_cap", "norm_len", "aggregation", "kl_loss_coef"):
+    for key in ("dual_clip", "is_cap", "norm_len", "aggregation", "kl_loss_coef"):
         assert c.loss[key] is None and isinstance(c.loss.get_ref(key), ml_collections.FieldReference), key
+    # optional keys with a default are typed references too: they can be switched off (None) and back
+    assert c.loss.logprob_chunk == 256 and c.critic.value_clip_eps == 0.2 and c.model.param_dtype == "float32"
+    c.loss.logprob_chunk = None
+    c.critic.value_clip_eps = None
+    assert TrainConfig.build({**c.to_dict(), "tokenizer": {"kind": "env"}, "env": {"name": "arithmetic"}}
+                             ).loss.logprob_chunk is None
     c.loss.logprob_chunk = 64  # placeholders of their type: set ...
     c.loss.dual_clip = 1.5
     c.loss.is_cap = 2.0
