@@ -11,9 +11,21 @@
 #   VLLM_SERVER_DEV_MODE=1            /collective_rpc, /pause, /resume and /reset_prefix_cache for weight sync
 #   --worker-extension-cls            agentfly's weight-sync methods inside each worker (vllm_worker_ext.py)
 #   --logprobs-mode processed_logprobs  logprobs after temperature (what the trainer recomputes), not raw logits
-#   --generation-config vllm          no sampling defaults or extra stop tokens from the model's generation_config
-#   --skip-tokenizer-init             token ids in and out; the server never needs a tokenizer
-#   --return-tokens-as-token-ids      logprob entries keyed by token id (no detokenisation)
+#   --generation-config vllm          no sampling defaults from the model's generation_config (its eos_token_id
+#                                     list still ends chat/text requests; VLLMBackend's requests set ignore_eos)
+#   --return-tokens-as-token-ids      logprob entries keyed by token id
+#
+# Tokenizer and chat: when MODEL_DIR has a tokenizer (tokenizer.json, tokenizer.model or tokenizer_config.json,
+# e.g. a run's final_policy; or the extra flags name --tokenizer) the server starts WITH it, so
+# /v1/chat/completions (with the chat template saved beside the tokenizer) and text prompts work as well as
+# VLLMBackend's token-in/token-out requests. When that chat template
+# is Qwen/Hermes-style (it writes <tool_call> blocks), tool calling in chat is turned on with
+#   --enable-auto-tool-choice --tool-call-parser hermes
+# (requests with tools= get parsed `tool_calls`), unless the extra flags already name a --tool-call-parser.
+# Without a tokenizer in MODEL_DIR (the trainer's own vllm_model/), or with AGENTFLY_VLLM_TOKENIZER=skip, the
+# server runs token ids in and out only:
+#   --skip-tokenizer-init             no tokenizer, no detokenisation; chat and text prompts are refused
+# AGENTFLY_VLLM_TOOL_PARSER=NAME picks another vLLM tool parser, =none turns tool calling off.
 # On CPU also --enforce-eager (start-up ~1 min instead of ~2), --no-enable-chunked-prefill (see below) and
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
 # Extra flags are passed through, e.g. --dtype float32 --max-model-len 1024 --max-num-seqs 64.
@@ -73,6 +85,52 @@ EXT_DIR="$RUN_DIR/ext-$PORT"
 mkdir -p "$EXT_DIR"
 cp "$ROOT/agentfly_jax/rollout/backends/vllm_worker_ext.py" "$EXT_DIR/agentfly_vllm_worker_ext.py"
 
+# Tokenizer: with it when MODEL_DIR has one (chat and token ids), else (or when asked) token ids only.
+has_tokenizer() {
+  local f
+  for f in tokenizer.json tokenizer.model tokenizer_config.json; do
+    [ -f "$MODEL_DIR/$f" ] && return 0
+  done
+  return 1
+}
+# The chat template saved with the tokenizer writes Hermes-style <tool_call> blocks (Qwen2.5, the quickstart's).
+hermes_template() {
+  local f
+  for f in chat_template.jinja chat_template.json tokenizer_config.json; do
+    [ -f "$MODEL_DIR/$f" ] && grep -q '<tool_call>' "$MODEL_DIR/$f" && return 0
+  done
+  return 1
+}
+extra_has() {  # whether the extra flags contain $1 (as "--flag" or "--flag=value")
+  local a
+  for a in "${extra_args[@]}"; do
+    [ "$a" = "$1" ] || [ "${a%%=*}" = "$1" ] && return 0
+  done
+  return 1
+}
+extra_args=("$@")
+tokenizer_mode="${AGENTFLY_VLLM_TOKENIZER:-auto}"
+tokenizer_flags=()
+case "$tokenizer_mode" in
+  auto|skip) ;;
+  *) echo "AGENTFLY_VLLM_TOKENIZER=$tokenizer_mode; expected auto (the default) or skip" >&2; exit 2 ;;
+esac
+if [ "$tokenizer_mode" = skip ] || extra_has --skip-tokenizer-init || ! { has_tokenizer || extra_has --tokenizer; }; then
+  extra_has --skip-tokenizer-init || tokenizer_flags=(--skip-tokenizer-init)
+  log "token ids in and out only (--skip-tokenizer-init): no chat or text prompts"
+else
+  tool_parser="${AGENTFLY_VLLM_TOOL_PARSER:-}"
+  if [ -z "$tool_parser" ] && hermes_template; then
+    tool_parser=hermes
+  fi
+  if [ -n "$tool_parser" ] && [ "$tool_parser" != none ] && ! extra_has --tool-call-parser; then
+    tokenizer_flags=(--enable-auto-tool-choice --tool-call-parser "$tool_parser")
+    log "serving with the tokenizer: chat, with tool calls parsed by the $tool_parser parser"
+  else
+    log "serving with the tokenizer: chat without tool-call parsing"
+  fi
+fi
+
 export VLLM_SERVER_DEV_MODE=1 HF_HUB_OFFLINE=1
 export PYTHONPATH="$EXT_DIR${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -80,8 +138,8 @@ log "starting vLLM ($PY) for $MODEL_DIR on 127.0.0.1:$PORT; log: $LOG_FILE"
 setsid "$PY" -m vllm.entrypoints.cli.main serve "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
   --worker-extension-cls agentfly_vllm_worker_ext.WeightSyncExtension \
   --logprobs-mode processed_logprobs --generation-config vllm \
-  --skip-tokenizer-init --return-tokens-as-token-ids \
-  "${cpu_flags[@]}" "$@" > "$LOG_FILE" 2>&1 < /dev/null &
+  --return-tokens-as-token-ids "${tokenizer_flags[@]}" \
+  "${cpu_flags[@]}" "${extra_args[@]}" > "$LOG_FILE" 2>&1 < /dev/null &
 pid=$!
 echo "$pid" > "$PID_FILE"
 
