@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from environments.search.questions import (  # noqa: E402
+from environments.search.questions import (
     fanoutqa_questions,
     generated_questions,
     plain_title,

@@ -27,7 +27,7 @@ from environments.search.corpus import Document, cache_dir, corpus_path, load_co
 
 log = logging.getLogger(__name__)
 
-_DEFAULTS: dict[tuple, "SearchIndex"] = {}
+_DEFAULTS: dict[tuple, SearchIndex] = {}
 _DEFAULTS_LOCK = threading.RLock()  # re-entered: the hybrid index asks for the BM25 and dense ones
 RETRIEVERS = ("bm25", "dense", "hybrid")
 
@@ -74,7 +74,7 @@ class SearchIndex:
         return len(self.documents)
 
     @classmethod
-    def build_bm25(cls, documents: list[Document]) -> "SearchIndex":
+    def build_bm25(cls, documents: list[Document]) -> SearchIndex:
         """A BM25 index of `documents`, in memory."""
         start = time.perf_counter()
         retriever = Bm25.build([document_text(d) for d in documents])
@@ -83,7 +83,7 @@ class SearchIndex:
     @classmethod
     def default(
         cls, cache: str | os.PathLike | None = None, retriever: str = "bm25", rrf_k: float = 60
-    ) -> "SearchIndex":
+    ) -> SearchIndex:
         """The index over the Wikipedia summaries: loaded from the cache, or built and cached there first.
 
         retriever: "bm25", "dense" or "hybrid" (BM25 + dense fused by reciprocal rank fusion with constant
@@ -108,8 +108,8 @@ class SearchIndex:
 
     @classmethod
     def hybrid(
-        cls, bm25: "SearchIndex", dense: "SearchIndex", *, rrf_k: float = 60, candidates: int = 50
-    ) -> "SearchIndex":
+        cls, bm25: SearchIndex, dense: SearchIndex, *, rrf_k: float = 60, candidates: int = 50
+    ) -> SearchIndex:
         """A hybrid index sharing the retrievers of a BM25 and a dense index over the same documents."""
         from environments.search.hybrid import HybridRetriever
 
@@ -126,7 +126,7 @@ class SearchIndex:
         )
 
     @classmethod
-    def _cached_bm25(cls, directory: Path) -> "SearchIndex":
+    def _cached_bm25(cls, directory: Path) -> SearchIndex:
         corpus = corpus_path(directory)
         digest = _corpus_digest(corpus)
         index_dir = directory / "bm25"

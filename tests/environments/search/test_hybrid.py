@@ -153,9 +153,9 @@ def test_hybrid_search_finds_the_article_of_known_questions(hybrid, question, ti
 
 @pytest.mark.slow
 def test_hybrid_from_the_env_options_and_through_the_search_tool(hybrid):
+    from agentfly_jax.envs import ResourceManager
     from agentfly_jax.envs.spec import load_env_spec
     from agentfly_jax.tools import ToolContext, execute_tool_call
-    from agentfly_jax.envs import ResourceManager
     from environments.search.tools import search
 
     spec = load_env_spec("search", {"retriever": "hybrid", "rrf_k": 30})
