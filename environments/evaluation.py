@@ -317,8 +317,7 @@ def trajectory_to_tool_calling(trajectory: Any) -> list[dict]:
     for record in trajectory.tool_call_records:
         call = {"type": "function", "function": {"name": record.name, "arguments": dict(record.arguments)}}
         out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        out.append({"role": "tool", "name": record.name,
-                    "content": record.observation if record.error is None else record.error})
+        out.append({"role": "tool", "name": record.name, "content": record.observation or record.error or ""})
     last = messages[-1] if messages else {}
     out.append({"role": "assistant",
                 "content": _final_answer(str(last.get("content", ""))) if last.get("role") == "assistant" else ""})
@@ -341,14 +340,17 @@ def recorded_demonstrations(spec_factory: Callable[[], EnvSpec], *, max_tasks: i
     (tool-calling: assistant `tool_calls` + `tool` observations; ReAct: the scripted ReAct turns). Oracle chains
     scoring below `min_reward` (default: the spec's success threshold) are dropped and counted in the log: a
     demonstration must show the task solved. `spec_factory` builds the spec (called once per use, in a
-    worker thread with its own event loop, so it works whether or not the caller runs one).
+    worker thread with its own event loop, so it works whether or not the caller runs one). `tokenizer` (the
+    trainer passes the run's) encodes the scripted turns, default `scripted_tokenizer()`; `max_observation_chars`
+    (the trainer passes `agent.max_observation_chars`) cuts observations as the RL agent's will be cut.
     """
     import concurrent.futures
     import logging
 
     log = logging.getLogger(__name__)
 
-    def demonstrations(tasks: Sequence[Mapping[str, Any]], rng: random.Random, expert_fraction: float):
+    def demonstrations(tasks: Sequence[Mapping[str, Any]], rng: random.Random, expert_fraction: float, *,
+                       tokenizer: Any = None, max_observation_chars: int | None = None):
         chosen = list(tasks)
         if len(chosen) > max_tasks:
             chosen = [chosen[i] for i in sorted(rng.sample(range(len(chosen)), max_tasks))]
@@ -364,7 +366,9 @@ def recorded_demonstrations(spec_factory: Callable[[], EnvSpec], *, max_tasks: i
                         raise ValueError(f"environment {spec.name!r} has no {which} policy to record "
                                          "demonstrations from")
                     if rows:
-                        agent = scripted_agent(spec, which, manager, seed=rng.randrange(1 << 30))
+                        limit = {"max_observation_chars": max_observation_chars} if max_observation_chars else {}
+                        agent = scripted_agent(spec, which, manager, tokenizer=tokenizer,
+                                               seed=rng.randrange(1 << 30), **limit)
                         out[which] = (rows, await agent.run(rows, num_chains=1, progress=False))
                 return out
             finally:

@@ -44,6 +44,32 @@ def smollm2(c: ConfigDict, *, cpu: bool = False) -> None:
     c.vllm.server_args = ("--dtype", "float32" if cpu else "bfloat16")
 
 
+def smollm2_grpo(c: ConfigDict, *, steps: int, tasks_per_step: int = 16, chains_per_task: int = 8,
+                 learning_rate: float = 1e-5, eval_tasks: int = 128, eval_chains: int = 1) -> None:
+    """GRPO numbers for SmolLM2 on one GPU within about 15 minutes: `tasks_per_step` x `chains_per_task` chains a
+    step, two mini-batches, a constant learning rate suited to a 135M model, asymmetric clipping 0.2 / 0.28;
+    rematerialised layers and 4k-token micro-batches so that a step fits a shared GPU; held-out success on
+    `eval_tasks` x `eval_chains` episodes with the training sampling (temperature 1, top_p 1) every 20 steps."""
+    c.algorithm = "grpo"
+    c.model.remat = True
+    c.rl.update(dict(steps=steps, tasks_per_step=tasks_per_step, chains_per_task=chains_per_task, ppo_epochs=1,
+                     mini_batches=2, micro_batches=1, micro_batch_tokens=4096))
+    c.optimizer.update(dict(learning_rate=learning_rate, warmup_steps=0, schedule="constant"))
+    c.loss.clip_eps_high = 0.28
+    c.checkpoint.update(dict(every=0, keep=1))
+    c.task.num_eval = max(c.task.num_eval, eval_tasks)
+    c.eval.update(dict(every=20, num_tasks=eval_tasks, num_chains=eval_chains, temperature=1.0, top_p=1.0,
+                       sampled_chains=0))
+
+
+def smollm2_sft(c: ConfigDict, stages, *, batch_size: int = 16, learning_rate: float = 5e-5) -> None:
+    """A short SFT warm start on the environment's demonstrations (`stages`: ((steps, expert_fraction), ...))."""
+    total = sum(steps for steps, _ in stages)
+    c.sft.update(dict(stages=tuple(stages), batch_size=batch_size))
+    c.sft.optimizer.update(dict(learning_rate=learning_rate, warmup_steps=min(10, total // 10), decay_steps=total,
+                                schedule="cosine", end_lr_ratio=0.1))
+
+
 def agentfly_grpo(c: ConfigDict) -> None:
     """AgentFly's multi-turn GRPO numbers: 8 tasks x 8 chains a step, temperature 1, constant small learning
     rate, token-mean loss, asymmetric clipping 0.2 / 0.28, greedy held-out eval every 20 steps."""

@@ -11,30 +11,21 @@ use the tool (`sft.stages`), so the warm-started policy calls it some of the tim
 chains differ (tool: right; guess: mostly wrong) and raises held-out success. Success is measured before SFT,
 after SFT and after RL on 128 held-out tasks with the training sampling (temperature 1, top_p 1).
 """
-from experiments.common import base, cpu_plumbing, smollm2
+from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
     c = base("runs/smollm2_arithmetic", "arithmetic", operand_min=10, operand_max=999, ops="*+-", num_heldout=128)
     smollm2(c, cpu=arg == "cpu")
-    c.algorithm = "grpo"
     c.task.update(dict(num_train=8000, num_eval=128))
     c.seq_buckets = (256, 512, 1024)
-    c.row_bucket = 8
-    c.agent.update(dict(max_turns=3, max_new_tokens=96, max_context_tokens=1024, temperature=1.0))
+    c.agent.update(dict(max_turns=3, max_new_tokens=96, max_context_tokens=1024))
     c.jax_sampler.update(dict(max_slots=256, max_len=1024, steps_per_call=16))
-    # SFT: the tool format first, then a mix with 70% guesses, so the warm start calls its tool a minority of times
-    c.sft.update(dict(stages=((40, 1.0), (40, 0.3)), batch_size=32))
-    c.sft.optimizer.update(dict(learning_rate=5e-5, warmup_steps=5, decay_steps=80, schedule="cosine",
-                                end_lr_ratio=0.1))
-    c.rl.update(dict(steps=60, tasks_per_step=32, chains_per_task=8, ppo_epochs=1, mini_batches=2, micro_batches=1))
-    c.optimizer.update(dict(learning_rate=1e-5, warmup_steps=0, schedule="constant"))
-    c.loss.clip_eps_high = 0.28
-    c.checkpoint.update(dict(every=0, keep=1))
-    c.eval.update(dict(every=20, num_tasks=128, num_chains=1, temperature=1.0, top_p=1.0, sampled_chains=0))
+    # the tool format first, then a mix with 70% guesses: the warm start calls its tool a minority of times
+    smollm2_sft(c, ((40, 1.0), (40, 0.3)), batch_size=32)
+    smollm2_grpo(c, steps=60, tasks_per_step=32, chains_per_task=8)
     if arg == "cpu":
-        cpu_plumbing(c, context=512, buckets=(512,), turns=2, new_tokens=32, slots=4, eval_tasks=0)
-        c.task.num_eval = 4
+        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
         c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
         c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:

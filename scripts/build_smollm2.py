@@ -101,13 +101,19 @@ def normalise_tokenizer(tokenizer) -> None:
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (IM_START, IM_END)}
     if ids != {IM_START: 1, IM_END: 2}:
         raise SystemExit(f"unexpected ids for the ChatML tokens: {ids}; expected {{'{IM_START}': 1, '{IM_END}': 2}}")
-    extra = [t for t in (IM_START, IM_END) if t not in set(tokenizer.all_special_tokens)]
-    if extra:
-        tokenizer.add_special_tokens({"additional_special_tokens": extra}, replace_additional_special_tokens=False)
+    missing = [t for t in (IM_START, IM_END) if t not in set(tokenizer.all_special_tokens)]
+    if missing:  # the keyword arguments for this differ between transformers releases
+        try:
+            tokenizer.add_special_tokens({"additional_special_tokens": missing},
+                                         replace_additional_special_tokens=False)
+        except TypeError:
+            extra = list(getattr(tokenizer, "extra_special_tokens", None) or [])
+            tokenizer.add_special_tokens({"extra_special_tokens": extra + missing})
     tokenizer.eos_token = IM_END
     tokenizer.pad_token = IM_END
     tokenizer.model_max_length = 8192  # the model's context (max_position_embeddings)
-    if tokenizer.convert_tokens_to_ids(tokenizer.eos_token) != 2 or len(tokenizer) != 49152:
+    if ({IM_START, IM_END} - set(tokenizer.all_special_tokens) or tokenizer.convert_tokens_to_ids(tokenizer.eos_token) != 2
+            or len(tokenizer) != 49152):
         raise SystemExit(f"tokenizer normalisation failed: eos {tokenizer.eos_token!r}, {len(tokenizer)} tokens")
 
 

@@ -35,7 +35,8 @@ ScriptedPolicy = Callable[[Mapping[str, Any], random.Random], Generator[dict, st
 
 #: SFT demonstrations: `demonstrations(tasks, rng, expert_fraction) -> [messages, ...]`, one conversation per
 #: task; `expert_fraction` of them solve the task with the tools, the rest show the environment's weaker
-#: baseline behaviour (e.g. answering without the tool).
+#: baseline behaviour (e.g. answering without the tool). A function that also takes a keyword `tokenizer` gets the
+#: run's tokenizer (e.g. to run scripted agents, `environments.evaluation.recorded_demonstrations`).
 Demonstrations = Callable[[Sequence[Mapping[str, Any]], random.Random, float], list[list[dict]]]
 
 AGENT_TYPES = ("tool_calling", "react", "code")

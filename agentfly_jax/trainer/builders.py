@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -131,7 +132,8 @@ def build_tasks(cfg: TrainConfig, setup: TaskSetup) -> tuple[list[dict], list[di
     return train, heldout
 
 
-def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict]) -> list[tuple[int, list]]:
+def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict],
+                      tokenizer: Any = None) -> list[tuple[int, list]]:
     """[(steps, conversations)] for the SFT warm start.
 
     `sft.data_path` (JSONL of {"messages": [...]}) gives one stage of `sft.steps`; `sft.stages`
@@ -154,8 +156,13 @@ def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict
         name = setup.spec.name if setup.spec else "a task from files"
         raise ConfigError(f"config.sft needs demonstrations but {name} has none: give config.sft.data_path "
                           "(JSONL of {'messages': [...]}) with config.sft.steps")
-    return [(int(steps), setup.spec.demonstrations(train_tasks, random.Random(cfg.seed + 7 + 1000 * i),
-                                                   float(fraction)))
+    demonstrations = setup.spec.demonstrations
+    # demonstrations recorded by running scripted agents take the run's tokenizer and observation limit
+    offered = {"tokenizer": tokenizer, "max_observation_chars": cfg.agent.max_observation_chars}
+    accepted = inspect.signature(demonstrations).parameters
+    extra = {k: v for k, v in offered.items() if k in accepted and v is not None}
+    return [(int(steps), demonstrations(train_tasks, random.Random(cfg.seed + 7 + 1000 * i), float(fraction),
+                                        **extra))
             for i, (steps, fraction) in enumerate(stages)]
 
 

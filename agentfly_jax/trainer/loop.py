@@ -139,7 +139,16 @@ def run_sft(run: Run) -> dict:
                                            tools=run.agent.template_tools(),
                                            chat_template=cfg.chat_template or None)
                        for m in demos])
-              for steps, demos in builders.sft_conversations(cfg, run.task_setup, run.train_tasks)]
+              for steps, demos in builders.sft_conversations(cfg, run.task_setup, run.train_tasks, run.tokenizer)]
+    longest = max(cfg.seq_buckets)
+    for i, (stage_steps, encoded) in enumerate(stages):
+        fitting = [e for e in encoded if len(e.token_ids) <= longest]
+        if len(fitting) < len(encoded):
+            log.warning("sft stage %d: %d of %d demonstrations are longer than the largest bucket (%d tokens) and "
+                        "are left out; raise config.seq_buckets to train on them", i, len(encoded) - len(fitting),
+                        len(encoded), longest)
+            run.writer.scalars(0, {f"sft/stage{i}_dropped_too_long": float(len(encoded) - len(fitting))})
+        stages[i] = (stage_steps, fitting)
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer)
     step_fn = make_sft_step(run.policy, optimizer, logprob_chunk=run.algorithm.logprob_chunk, lr_schedule=schedule)
@@ -237,7 +246,8 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     batch = pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
                       rewards=arrays["rewards"], group_ids=arrays["group_ids"], minibatch=minibatch,
                       num_minibatches=cfg.rl.mini_batches, micro_batches=cfg.rl.micro_batches,
-                      rows_multiple=_rows_multiple(run), micro_batch_tokens=cfg.rl.micro_batch_tokens)
+                      rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
+                      micro_batch_tokens=cfg.rl.micro_batch_tokens)
     with _mesh_context(run):
         return run.prepare_fn(run.state, _put_batch(run, batch))
 
@@ -269,7 +279,21 @@ def rollout_metrics(run: Run, trajectories) -> dict:
             "rollout/turns_mean": float(np.mean([t.num_turns for t in trajectories])),
             "rollout/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
             "rollout/response_tokens_mean": float(np.mean([t.num_action_tokens for t in trajectories])),
-            "rollout/reward_failures": float(sum("reward_failed" in t.flags for t in trajectories))}
+            "rollout/reward_failures": float(sum("reward_failed" in t.flags for t in trajectories)),
+            **_engine_metrics(run)}
+
+
+def _engine_metrics(run: Run) -> dict:
+    """The JAX sampler's compiled programs so far (bounded shapes: they should stop growing after the first
+    steps) and the devices' peak memory, where the runtime reports them."""
+    out = {}
+    compiles = getattr(run.backend, "num_compiles", None)
+    if callable(compiles):
+        out["sampler/compiles"] = float(compiles())
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    if peaks and all(p is not None for p in peaks):
+        out["memory/peak_gib"] = max(peaks) / 2**30
+    return out
 
 
 # ============================================================================================== train
@@ -384,11 +408,15 @@ def _save(run: Run, step: int, eval_before: dict, force: bool = False) -> None:
     run.checkpointer.save(step, _checkpoint_tree(run), meta, force=force)
 
 
-def _rows_multiple(run: Run) -> int:
+def _rows_multiple(run: Run, row_len: int) -> int:
     """Packed row counts of a micro-batch are rounded up to this: a multiple of the data-parallel size and of
-    `config.row_bucket / micro_batches` (few distinct shapes to compile, little padding)."""
+    `config.row_bucket / micro_batches` (few distinct shapes to compile, little padding), but never more rows
+    than `rl.micro_batch_tokens` allows at this row length (then the micro-batch count absorbs the variation)."""
     data_parallel = int(run.mesh.shape["data"] * run.mesh.shape["fsdp"])
     per_micro = -(-run.config.row_bucket // run.config.rl.micro_batches)
+    budget = run.config.rl.micro_batch_tokens
+    if budget:
+        per_micro = min(per_micro, max(1, budget // row_len))
     return data_parallel * max(1, -(-per_micro // data_parallel))
 
 
@@ -403,7 +431,7 @@ def _pack(run: Run, token_ids: list, action_masks: list) -> UpdateBatch:
     n = len(token_ids)
     return pack_step(tokens, mask, np.zeros_like(mask), lengths, rewards=np.zeros(n), group_ids=np.arange(n),
                      minibatch=np.zeros(n, np.int32), num_minibatches=1, micro_batches=run.config.rl.micro_batches,
-                     rows_multiple=_rows_multiple(run), micro_batch_tokens=run.config.rl.micro_batch_tokens)
+                     rows_multiple=_rows_multiple(run, t), micro_batch_tokens=run.config.rl.micro_batch_tokens)
 
 
 def _put_batch(run: Run, batch: UpdateBatch) -> UpdateBatch:

@@ -78,6 +78,7 @@ def env_spec(
     pool_size: int = 64,
     max_turns: int = 14,
     seed: int = 0,
+    demo_tasks: int = 512,
 ):
     """The search environment's spec.
 
@@ -85,10 +86,13 @@ def env_spec(
     "test" splits (empty: question_set). question_types: for "generated", a subset of birth_year, death_year,
     description, cloze (comma-separated or a list; empty: all). seed: the seed the generated questions are
     drawn with. retriever: "bm25", "dense" or "hybrid" (BM25 + dense by reciprocal rank fusion, constant
-    `rrf_k`); cache: the corpus/index cache directory (empty: the default).
+    `rrf_k`); cache: the corpus/index cache directory (empty: the default). demo_tasks: train questions the
+    oracle and random searchers are recorded on for SFT demonstrations (`recorded_demonstrations`).
     """
+    options = dict(locals())  # this spec's options: recorded demonstrations rebuild the same spec
     from agentfly_jax.envs.spec import EnvSpec
     from agentfly_jax.rewards.qa import qa_exact_match
+    from environments.evaluation import recorded_demonstrations
     from environments.search import POOL_CONFIG
     from environments.search.index import RETRIEVERS
     from environments.search.tasks import SETS, build_tasks
@@ -135,6 +139,7 @@ def env_spec(
         pools={"search": pool},
         oracle_policy=oracle_policy,
         random_policy=random_policy,
+        demonstrations=recorded_demonstrations(lambda: env_spec(**options), max_tasks=demo_tasks),
         system_prompt=SYSTEM_PROMPT,
         agent="tool_calling",
         max_turns=max_turns,

@@ -1,0 +1,33 @@
+"""WebShop on a real pretrained model: SmolLM2-135M-Instruct shops with `webshop_search` and `webshop_click`.
+
+    agentfly-train --config experiments/smollm2_webshop.py             # one GPU
+    agentfly-train --config experiments/smollm2_webshop.py:cpu         # one-step plumbing run on a CPU
+
+The WebShop-compatible environment (environments/webshop) on its generated 1,000-product catalog; the reward is
+the WebShop score of what the agent bought (success = 1.0, a perfect purchase). A short SFT warm start on
+demonstrations recorded from the scripted shoppers (oracle on half the goals, random shopper on the rest), then
+GRPO. Held-out: the 53 test goals x 3 chains (159 episodes).
+"""
+from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+
+
+def get_config(arg: str | None = None):
+    c = base("runs/smollm2_webshop", "webshop", source="generated", seed=0, num_products=1000, items_path="",
+             attributes_path="", human_goals_path="", max_actions=15, pool_size=64, demo_tasks=256)
+    smollm2(c, cpu=arg == "cpu")
+    c.task.update(dict(num_train=0, num_eval=53))
+    c.seq_buckets = (2048, 4096)
+    c.agent.update(dict(max_turns=10, max_new_tokens=64, max_context_tokens=4096, max_observation_chars=1200))
+    c.jax_sampler.update(dict(max_slots=128, max_len=4096, steps_per_call=16))
+    smollm2_sft(c, ((60, 1.0), (40, 0.5)), batch_size=16)
+    smollm2_grpo(c, steps=40, tasks_per_step=16, chains_per_task=8, eval_tasks=53, eval_chains=3)
+    if arg == "cpu":
+        c.env.options.update(dict(demo_tasks=4, pool_size=4, num_products=200))
+        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
+        c.seq_buckets = (1024, 2048)  # whole demonstrated shopping sessions are longer than a 2-turn rollout
+        c.agent.max_observation_chars = 400
+        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
+        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
+    elif arg:
+        raise ValueError(f"experiments/smollm2_webshop.py takes no argument or 'cpu', got {arg!r}")
+    return c
