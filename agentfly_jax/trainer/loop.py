@@ -287,9 +287,10 @@ def _engine_metrics(run: Run) -> dict:
     """The JAX sampler's compiled programs so far (bounded shapes: they should stop growing after the first
     steps) and the devices' peak memory, where the runtime reports them."""
     out = {}
-    compiles = getattr(run.backend, "num_compiles", None)
-    if callable(compiles):
-        out["sampler/compiles"] = float(compiles())
+    counts = getattr(run.backend, "compile_counts", None)  # the JAX sampler's programs traced, by kind
+    if counts is not None:
+        out["sampler/compiles"] = float(sum(counts.values()))
+        out.update({f"sampler/compiles_{kind}": float(n) for kind, n in counts.items()})
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     if peaks and all(p is not None for p in peaks):
         out["memory/peak_gib"] = max(peaks) / 2**30

@@ -6,7 +6,8 @@
 
 Servers are started by scripts/start_vllm.sh, which turns on what this client relies on (its docstring lists
 the flags): the dev endpoints for weight sync, our worker extension (`vllm_worker_ext.py`), processed logprobs,
-no tokenizer. Requests go to /v1/completions with the prompt as token ids and `return_token_ids`; the
+logprobs keyed by token id (a tokenizer only when the model directory has one, for chat clients; this client
+never needs it). Requests go to /v1/completions with the prompt as token ids and `return_token_ids`; the
 completion's ids come back untouched, the stop token included, with one logprob per id.
 
 Stopping: only `stop_token_ids` and `max_tokens` end a completion (`ignore_eos`; the server ignores the model's

@@ -1,0 +1,57 @@
+"""Every SmolLM2 recipe (experiments/smollm2_*.py) runs end to end on the real pretrained checkpoint: its `:cpu`
+variant (a one-step SFT warm start on the environment's demonstrations, one GRPO step on the real environment,
+the final export) through the `agentfly-train` command, as a user starts it.
+
+The runs share a persistent XLA compilation cache: the `:cpu` variants use the same model and shapes, so
+only the first compiles the sampler and the update step.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+RECIPES = ["arithmetic", "math", "search", "webshop", "bfcl", "alfworld", "scienceworld"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    if not (CHECKPOINT / "agentfly_build.json").is_file():
+        pytest.fail("the SmolLM2 checkpoint is missing: run scripts/setup.sh (scripts/setup_models.sh builds it)")
+    return tmp_path_factory.mktemp("xla_cache")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cpu_variant_runs_sft_and_an_rl_step_on_the_real_model(recipe, tmp_path, compile_cache):
+    workdir = tmp_path / "run"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "agentfly_jax.train", f"--config={ROOT}/experiments/smollm2_{recipe}.py:cpu",
+           f"--config.workdir={workdir}", "--config.progress=False"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["environment"] in (recipe, "math_word")
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["model"]["hf_path"].endswith("SmolLM2-135M-Instruct") and config["chat_template"] == "qwen2.5"
+    rows = [json.loads(line) for line in (workdir / "tensorboard" / "metrics.jsonl").open()]
+    sft = [r for r in rows if "sft/loss" in r]
+    rl = [r for r in rows if "reward/mean" in r]
+    assert sft and math.isfinite(sft[-1]["sft/loss"]) and sft[-1]["sft/loss"] > 0
+    assert len(rl) == 1 and rl[0]["rollout/chains_finished"] == 4 and rl[0]["rollout/finish/error"] == 0
+    assert rl[0]["sampler/compiles"] >= 3  # prefill, insert and decode programs were traced
+    assert math.isfinite(rl[0]["policy/loss"]) and rl[0]["update/tokens"] > 0
+
+    final = workdir / "final_policy"
+    generation = json.loads((final / "generation_config.json").read_text())
+    assert 2 in (generation["eos_token_id"] if isinstance(generation["eos_token_id"], list)
+                 else [generation["eos_token_id"]])  # <|im_end|>, the template's end of turn
+    assert (final / "chat_template.jinja").is_file() and (final / "model.safetensors").is_file()
