@@ -22,10 +22,10 @@ def get_config(arg: str | None = None):
     smollm2_sft(c, ((60, 1.0), (40, 0.5)), batch_size=16)
     smollm2_grpo(c, steps=40, tasks_per_step=16, chains_per_task=8, eval_tasks=53, eval_chains=3)
     if arg == "cpu":
-        c.env.options.update(dict(demo_tasks=4, pool_size=4, num_products=200))
+        c.env.options.update(dict(demo_tasks=8, pool_size=4, num_products=200))
         cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
         c.seq_buckets = (1024, 2048)  # whole demonstrated shopping sessions are longer than a 2-turn rollout
-        c.agent.max_observation_chars = 400
+        c.agent.max_observation_chars = 500  # the oracle still finds its product through pages cut to this
         c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
         c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:

@@ -148,6 +148,9 @@ def run_sft(run: Run) -> dict:
                         "are left out; raise config.seq_buckets to train on them", i, len(encoded) - len(fitting),
                         len(encoded), longest)
             run.writer.scalars(0, {f"sft/stage{i}_dropped_too_long": float(len(encoded) - len(fitting))})
+        if encoded and not fitting:
+            raise ValueError(f"sft stage {i}: every one of the {len(encoded)} demonstrations is longer than the "
+                             f"largest bucket ({longest} tokens): raise config.seq_buckets")
         stages[i] = (stage_steps, fitting)
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer)

@@ -169,3 +169,27 @@ def test_loss_weights_reproduce_aggregate_loss(mode):
     micro = [float((packed_w[0, j] * packed_x[0, j]).sum()) for j in range(3)]
     assert sum(abs(x) > 0 for x in micro) >= 2  # the batch is really split
     np.testing.assert_allclose(sum(micro), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("budget,rows_multiple,micro_batches", [(80, 1, 1), (60, 2, 1), (200, 1, 2), (10, 2, 1)])
+def test_micro_batch_token_budget(budget, rows_multiple, micro_batches):
+    """With `micro_batch_tokens`, a micro-batch holds at most the budget's rows (at least `rows_multiple`), the
+    count is at least `micro_batches` and one of 1, 2, 3, 4, 6, 8, 12, ... above it, and nothing is lost."""
+    rng = np.random.default_rng(3)
+    tokens, mask, sampler, lengths = _ragged(rng, n=31)
+    row_len = 20
+    batch = _pack(tokens, mask, sampler, lengths, micro_batches=micro_batches, rows_multiple=rows_multiple,
+                  row_len=row_len, micro_batch_tokens=budget)
+    _, m, r, _ = batch.rows.tokens.shape
+    used = first_fit_decreasing(lengths, row_len)[2]
+    cap = max(rows_multiple, (budget // row_len) // rows_multiple * rows_multiple)
+    assert r <= cap and r % rows_multiple == 0 and m * r >= used
+    assert m >= micro_batches and (m == micro_batches or m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+    assert m == micro_batches or -(-used // cap) > micro_batches  # more only when the budget needs it
+    for name, want in (("tokens", tokens), ("action_mask", mask), ("sampler_logprobs", sampler)):
+        np.testing.assert_array_equal(unpack_rows(getattr(batch.rows, name), batch), want, err_msg=name)
+    _check_segments(batch, lengths)
+    # without a budget the same call keeps the given count
+    plain = _pack(tokens, mask, sampler, lengths, micro_batches=micro_batches, rows_multiple=rows_multiple,
+                  row_len=row_len)
+    assert plain.rows.tokens.shape[1] == micro_batches

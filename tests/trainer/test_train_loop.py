@@ -23,7 +23,7 @@ EXPECTED_TAGS = [
     "reward/mean", "success/rate", "rollout/turns_mean", "rollout/tool_calls_mean", "rollout/tool_errors",
     "rollout/envs_in_use_peak", "policy/approx_kl", "policy/entropy", "policy/clip_fraction", "policy/grad_norm",
     "throughput/update_tokens_per_s", "throughput/rollout_tokens_per_s", "time/rollout_s", "time/update_s",
-    "time/weight_sync_s", "eval/success", "sft/loss",
+    "time/weight_sync_s", "eval/success", "sft/loss", "eval_before_sft/success", "sampler/compiles",
 ]
 
 
@@ -48,6 +48,8 @@ def test_quickstart_short_run(tmp_path, algorithm):
         assert key in summary
     assert summary["algorithm"] == algorithm and summary["steps"] == 2
     assert 0.0 <= summary["success_before"] <= 1.0 and 0.0 <= summary["success_after"] <= 1.0
+    # the SFT warm start is measured too: before it, after it (= before RL) and after RL
+    assert 0.0 <= summary["success_before_sft"] <= 1.0 and summary["eval_episodes"] > 0
     scalars = read_scalars(os.path.join(workdir, "tensorboard"))
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, f"TensorBoard lacks {missing}"
