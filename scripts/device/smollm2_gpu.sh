@@ -6,12 +6,14 @@
 #   2. carry .carry/gguf2 .whl .carry/data (at once after 1):
 #                                 bash scripts/device/smollm2_gpu.sh setup
 #   3. carry .carry/java:         bash scripts/device/smollm2_gpu.sh java      # ScienceWorld's JVM (optional)
-#   4.                            bash scripts/device/smollm2_gpu.sh launch arithmetic math search ...
+#   4.                            bash scripts/device/smollm2_gpu.sh queue arithmetic math search ...
 #   5. (repeat until done)        bash scripts/device/smollm2_gpu.sh status      # also copies results to $OUT
 #
 # `launch` starts each recipe (experiments/smollm2_<name>.py) as its own process in a new session (they keep
-# running between calls), all sharing the one GPU; `status` prints each run's progress and packs every run's
-# summary.json, metrics.jsonl and TensorBoard events into $OUT/runs.tar.gz. Everything the machine writes
+# running between calls), all sharing the one GPU; `queue` runs them one after another in one background session
+# (what a single card should do: concurrent runs each grow their own allocator, and capping them with
+# XLA_PYTHON_CLIENT_MEM_FRACTION starves the GPU autotuner). `status` prints each run's progress and packs every
+# run's summary.json, metrics.jsonl and TensorBoard events into $OUT/runs.tar.gz. Everything the machine writes
 # lives under $WORK (outside the repository copy, which each call replaces).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -85,6 +87,17 @@ case "${1:-}" in
       log "started $name (pid $!)"
     done
     ;;
+  queue)
+    shift
+    env_vars
+    mkdir -p "$WORK/runs"
+    for name in "$@"; do [ -f "experiments/smollm2_${name}.py" ] || { log "no experiments/smollm2_${name}.py"; exit 2; }; done
+    setsid nohup bash -c 'for name in "$@"; do
+        python3 -m agentfly_jax.train --config "experiments/smollm2_${name}.py" --config.workdir="'"$WORK"'/runs/$name" \
+          --config.progress=False > "'"$WORK"'/runs/$name.log" 2>&1 < /dev/null
+      done' queue "$@" > /dev/null 2>&1 < /dev/null &
+    log "queued $* (pid $!)"
+    ;;
   status)
     env_vars
     nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader || true
@@ -115,7 +128,7 @@ PYEOF
       --exclude='vllm_model' --exclude='tokenizer' runs 2>/dev/null) || true
     ;;
   *)
-    echo "usage: $0 stage|setup|wheels|java|launch NAME...|status" >&2
+    echo "usage: $0 stage|setup|wheels|java|launch NAME...|queue NAME...|status" >&2
     exit 2
     ;;
 esac
