@@ -223,8 +223,13 @@ def bench(
     cache: str | None = None,
     rrf_k: float = 60,
     ks: Sequence[int] = KS,
+    questions: Mapping[str, Sequence[Mapping]] | None = None,
 ) -> list[dict]:
-    """One row per (question set, retriever): {"set", "retriever", "questions", "recall@1", ..., "seconds"}."""
+    """One row per (question set, retriever): {"set", "retriever", "questions", "recall@1", ..., "seconds"}.
+
+    questions: {set name: rows} to ask instead of `question_sets` over the index's documents (`num` and `sets`
+    then unused), e.g. the full corpus' questions against the index of a subset cache holding their gold
+    articles (`environments.search.corpus.write_corpus`)."""
     from environments.search.index import SearchIndex
 
     indexes = {name: SearchIndex.default(cache, retriever=name, rrf_k=rrf_k) for name in retrievers}
@@ -232,17 +237,18 @@ def bench(
         dense = getattr(index._retriever, "dense", index._retriever)
         if hasattr(dense, "encoder") and not isinstance(dense.encoder, _CachedEncoder):
             dense.encoder = _CachedEncoder(dense.encoder)
-    documents = next(iter(indexes.values())).documents
+    if questions is None:
+        questions = question_sets(next(iter(indexes.values())).documents, num, sets)
     rows = []
-    for set_name, questions in question_sets(documents, num, sets).items():
+    for set_name, asked in questions.items():
         for name, index in indexes.items():
             start = time.perf_counter()
-            recall = recall_at(questions, lambda q, k, index=index: [r["title"] for r in index.search(q, k)], ks)
+            recall = recall_at(asked, lambda q, k, index=index: [r["title"] for r in index.search(q, k)], ks)
             rows.append(
                 {
                     "set": set_name,
                     "retriever": name,
-                    "questions": len(questions),
+                    "questions": len(asked),
                     **{f"recall@{k}": value for k, value in recall.items()},
                     "seconds": round(time.perf_counter() - start, 2),
                 }

