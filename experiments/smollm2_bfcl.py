@@ -15,7 +15,7 @@ conversations (tool calls, real outputs, "Done." per turn) teaches the call form
 GRPO groups of 8 chains per task then give the reward differences to learn from.
 The policy is SmolLM2-135M-Instruct (experiments/common.py: `smollm2`); held-out: the 64 test tasks x 2 chains.
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft, tiny_policy
 
 
 def get_config(arg: str | None = None):
@@ -30,7 +30,11 @@ def get_config(arg: str | None = None):
     smollm2_grpo(c, steps=20, tasks_per_step=8, chains_per_task=8, eval_tasks=64, eval_chains=2)
     c.eval.every = 10
     if arg == "cpu":
-        # prompts alone are up to 4.2k tokens: the plumbing run keeps the real context, 2 turns of 32 tokens
+        # Prompts alone are up to 4.2k tokens, and 30 layers of attention over 5k-token rows need more memory
+        # than a CPU machine has: the plumbing run keeps the real tokenizer, template and context but swaps in the
+        # tiny random policy (same vocabulary, 2 layers).
+        tiny_policy(c, max_position_embeddings=8192)
+        c.model.vocab_size = 49152
         cpu_plumbing(c, context=5120, buckets=(5120,), turns=2, new_tokens=32, slots=4)
         c.env.options.pool_size = 8
         c.seq_buckets = (8192,)  # the SFT demonstrations are whole conversations (up to 5.4k tokens)

@@ -24,9 +24,10 @@ def get_config(arg: str | None = None):
     smollm2_sft(c, ((60, 1.0), (30, 0.5)), batch_size=16)
     smollm2_grpo(c, steps=20, tasks_per_step=8, chains_per_task=8, eval_tasks=64, eval_chains=2)
     if arg == "cpu":
-        c.env.options.update(dict(task_names="find-animal", pool_size=2, demo_tasks=2, max_steps=4))
+        c.env.options.update(dict(task_names="find-animal", pool_size=2, demo_tasks=2))
         cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
         c.task.num_train = 4
+        c.sft.cut_long = True  # the demonstrated episodes are longer than the plumbing run's 1,024 tokens
         c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
         c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:

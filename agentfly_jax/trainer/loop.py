@@ -142,11 +142,15 @@ def run_sft(run: Run) -> dict:
               for steps, demos in builders.sft_conversations(cfg, run.task_setup, run.train_tasks, run.tokenizer)]
     longest = max(cfg.seq_buckets)
     for i, (stage_steps, encoded) in enumerate(stages):
+        if cfg.sft.cut_long:
+            encoded = [e if len(e.token_ids) <= longest else
+                       dataclasses.replace(e, token_ids=e.token_ids[:longest], action_mask=e.action_mask[:longest])
+                       for e in encoded]
         fitting = [e for e in encoded if len(e.token_ids) <= longest]
         if len(fitting) < len(encoded):
             log.warning("sft stage %d: %d of %d demonstrations are longer than the largest bucket (%d tokens) and "
-                        "are left out; raise config.seq_buckets to train on them", i, len(encoded) - len(fitting),
-                        len(encoded), longest)
+                        "are left out; raise config.seq_buckets or set config.sft.cut_long", i,
+                        len(encoded) - len(fitting), len(encoded), longest)
             run.writer.scalars(0, {f"sft/stage{i}_dropped_too_long": float(len(encoded) - len(fitting))})
         if encoded and not fitting:
             raise ValueError(f"sft stage {i}: every one of the {len(encoded)} demonstrations is longer than the "
