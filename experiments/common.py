@@ -70,6 +70,14 @@ def smollm2_sft(c: ConfigDict, stages, *, batch_size: int = 16, learning_rate: f
                                 schedule="cosine", end_lr_ratio=0.1))
 
 
+def smollm2_cpu(c: ConfigDict, *, context: int = 1024, buckets=(1024,)) -> None:
+    """The SmolLM2 recipes' `:cpu` plumbing run: one SFT step of 2 demonstrations, then `cpu_plumbing`'s one GRPO
+    step (2 tasks x 2 chains, 2 turns of 32 tokens) within `context` tokens."""
+    cpu_plumbing(c, context=context, buckets=buckets, turns=2, new_tokens=32, slots=4)
+    c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
+    c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
+
+
 def agentfly_grpo(c: ConfigDict) -> None:
     """AgentFly's multi-turn GRPO numbers: 8 tasks x 8 chains a step, temperature 1, constant small learning
     rate, token-mean loss, asymmetric clipping 0.2 / 0.28, greedy held-out eval every 20 steps."""

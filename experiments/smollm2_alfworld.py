@@ -13,7 +13,7 @@ Where it runs: TextWorld and its engine (jericho >= 3.3, fast-downward) have no 
 Python 3.12 and that machine has no network, so the engine cannot be installed there as carried wheels; the
 `cpu_small` variant is the size that fits this repository's 2-core CPU machine (few games, short chains).
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -39,10 +39,8 @@ def get_config(arg: str | None = None):
         c.eval.update(dict(every=0, num_tasks=8, num_chains=2))
     elif arg == "cpu":
         c.env.options.update(dict(num_train_games=4, num_test_games=2, pool_size=2, demo_tasks=2))
-        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
+        smollm2_cpu(c)
         c.task.num_train = 4
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:
         raise ValueError(f"experiments/smollm2_alfworld.py takes no argument, 'cpu' or 'cpu_small', got {arg!r}")
     return c

@@ -11,7 +11,7 @@ use the tool (`sft.stages`), so the warm-started policy calls it some of the tim
 chains differ (tool: right; guess: mostly wrong) and raises held-out success. Success is measured before SFT,
 after SFT and after RL on 128 held-out tasks with the training sampling (temperature 1, top_p 1).
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -25,9 +25,7 @@ def get_config(arg: str | None = None):
     smollm2_sft(c, ((40, 1.0), (40, 0.3)), batch_size=32)
     smollm2_grpo(c, steps=60, tasks_per_step=32, chains_per_task=8)
     if arg == "cpu":
-        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
+        smollm2_cpu(c)
     elif arg:
         raise ValueError(f"experiments/smollm2_arithmetic.py takes no argument or 'cpu', got {arg!r}")
     return c

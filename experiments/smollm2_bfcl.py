@@ -15,7 +15,7 @@ conversations (tool calls, real outputs, "Done." per turn) teaches the call form
 GRPO groups of 8 chains per task then give the reward differences to learn from.
 The policy is SmolLM2-135M-Instruct (experiments/common.py: `smollm2`); held-out: the 64 test tasks x 2 chains.
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft, tiny_policy
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft, tiny_policy
 
 
 def get_config(arg: str | None = None):
@@ -35,13 +35,11 @@ def get_config(arg: str | None = None):
         # tiny random policy (same vocabulary, 2 layers).
         tiny_policy(c, max_position_embeddings=8192)
         c.model.vocab_size = 49152
-        cpu_plumbing(c, context=5120, buckets=(5120,), turns=2, new_tokens=32, slots=4)
+        smollm2_cpu(c, context=5120, buckets=(5120,))
         c.env.options.pool_size = 8
         c.seq_buckets = (8192,)  # the SFT demonstrations are whole conversations (up to 5.4k tokens)
         c.jax_sampler.max_len = 5120
         c.rl.micro_batches = 2
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:
         raise ValueError(f"experiments/smollm2_bfcl.py takes no argument or 'cpu', got {arg!r}")
     return c

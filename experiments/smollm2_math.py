@@ -12,7 +12,7 @@ the tool, then a mix in which half answer with a guess. GRPO follows, 8 chains p
 or two tool calls: 3 turns, 256 new tokens a turn and a 2,048-token context hold a chain with the tool schema.
 The code sandbox needs bubblewrap (or env.options.backend="docker"). Held-out: 128 test problems, 1 chain each.
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -26,10 +26,8 @@ def get_config(arg: str | None = None):
     smollm2_sft(c, ((100, 1.0), (50, 0.5)), batch_size=16)
     smollm2_grpo(c, steps=50, tasks_per_step=16, chains_per_task=8)
     if arg == "cpu":
-        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
+        smollm2_cpu(c)
         c.env.options.update(dict(pool_size=4, train_size=200, dev_size=20, test_size=20))
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:
         raise ValueError(f"experiments/smollm2_math.py takes no argument or 'cpu', got {arg!r}")
     return c

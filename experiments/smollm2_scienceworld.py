@@ -9,7 +9,7 @@ seen the ReAct format: a short SFT warm start on demonstrations recorded from th
 simulator's gold action sequence on half the variations, random valid actions on the rest), then GRPO. On a
 GPU machine without Java, `scripts/device/smollm2_gpu.sh java` unpacks a carried JRE first.
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -25,11 +25,9 @@ def get_config(arg: str | None = None):
     smollm2_grpo(c, steps=20, tasks_per_step=8, chains_per_task=8, eval_tasks=64, eval_chains=2)
     if arg == "cpu":
         c.env.options.update(dict(task_names="find-animal", pool_size=2, demo_tasks=2))
-        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
+        smollm2_cpu(c)
         c.task.num_train = 4
         c.sft.cut_long = True  # the demonstrated episodes are longer than the plumbing run's 1,024 tokens
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:
         raise ValueError(f"experiments/smollm2_scienceworld.py takes no argument or 'cpu', got {arg!r}")
     return c

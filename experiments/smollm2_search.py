@@ -10,7 +10,7 @@ retriever, or "hybrid" (both, fused by reciprocal rank; recall figures in docs/b
 never seen the tool format: a short SFT warm start on demonstrations recorded from the environment's scripted
 searchers (the oracle on half of them, the random searcher on the rest: `recorded_demonstrations`), then GRPO.
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -25,9 +25,7 @@ def get_config(arg: str | None = None):
     smollm2_grpo(c, steps=50, tasks_per_step=16, chains_per_task=8)
     if arg == "cpu":
         c.env.options.update(dict(demo_tasks=8, pool_size=4))
-        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
+        smollm2_cpu(c)
     elif arg:
         raise ValueError(f"experiments/smollm2_search.py takes no argument or 'cpu', got {arg!r}")
     return c

@@ -8,7 +8,7 @@ the WebShop score of what the agent bought (success = 1.0, a perfect purchase). 
 demonstrations recorded from the scripted shoppers (oracle on half the goals, random shopper on the rest), then
 GRPO. Held-out: the 53 test goals x 3 chains (159 episodes).
 """
-from experiments.common import base, cpu_plumbing, smollm2, smollm2_grpo, smollm2_sft, tiny_policy
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft, tiny_policy
 
 
 def get_config(arg: str | None = None):
@@ -26,13 +26,11 @@ def get_config(arg: str | None = None):
         # cause not found yet: this run keeps the real tokenizer and template with the tiny random policy.
         tiny_policy(c)
         c.env.options.update(dict(demo_tasks=8, pool_size=4, num_products=200))
-        cpu_plumbing(c, context=1024, buckets=(1024,), turns=2, new_tokens=32, slots=4)
+        smollm2_cpu(c)
         c.agent.max_observation_chars = 500  # the oracle still finds its product through pages cut to this
         # whole demonstrated sessions (~2.5k tokens) would need more memory than a CPU machine has for 30 layers:
         # the plumbing run trains on their first 1,024 tokens (the prompt and the first shop pages)
         c.sft.cut_long = True
-        c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
-        c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
     elif arg:
         raise ValueError(f"experiments/smollm2_webshop.py takes no argument or 'cpu', got {arg!r}")
     return c
