@@ -86,10 +86,11 @@ def trainer_logprobs(model, params, prompt, completion, temperature, pad_to=512)
 class VLLMServerProcess:
     """A real vLLM server (scripts/start_vllm.sh) serving the tiny fp32 model; restartable after a kill."""
 
-    def __init__(self, model_dir: str, run_dir: str):
-        self.model_dir, self.run_dir = model_dir, run_dir
+    def __init__(self, model_dir: str, run_dir: str, max_model_len: int = 1024):
+        self.model_dir, self.run_dir, self.max_model_len = model_dir, run_dir, max_model_len
         self.port = None
         self.start_seconds = []  # wall time of each start, for the record
+        self.start_messages = ""  # what the start script printed (the flags it chose)
 
     @property
     def url(self) -> str:
@@ -116,11 +117,12 @@ class VLLMServerProcess:
             self.port = sock.getsockname()[1]
         t0 = time.perf_counter()
         proc = subprocess.run(["bash", str(REPO / "scripts/start_vllm.sh"), self.model_dir, str(self.port),
-                               "--dtype", "float32", "--max-model-len", "1024"],
+                               "--dtype", "float32", "--max-model-len", str(self.max_model_len)],
                               env=self._env(), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             pytest.fail(f"scripts/start_vllm.sh failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
         self.start_seconds.append(time.perf_counter() - t0)
+        self.start_messages = proc.stderr
 
     def ensure_running(self) -> str:
         if not self.alive():

@@ -35,27 +35,6 @@ TRAIN = ["--config", "experiments/quickstart.py:cpu", "--config.eval.num_tasks=0
 TIMINGS = {}
 
 
-class ServedPolicy(VLLMServerProcess):
-    """scripts/start_vllm.sh on a final_policy directory; keeps the script's messages (the flags it chose)."""
-
-    start_messages = ""
-
-    def start(self):
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        t0 = time.perf_counter()
-        proc = subprocess.run(["bash", str(REPO / "scripts/start_vllm.sh"), self.model_dir, str(self.port),
-                               "--dtype", "float32", "--max-model-len", "512"],
-                              env=self._env(), capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            pytest.fail(f"scripts/start_vllm.sh failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-        self.start_seconds.append(time.perf_counter() - t0)
-        self.start_messages = proc.stderr
-
-
 @pytest.fixture(scope="module")
 def final_policy(tmp_path_factory):
     """A user's short training run; returns (summary, final_policy directory)."""
@@ -76,7 +55,8 @@ def final_policy(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(final_policy, tmp_path_factory):
-    served = ServedPolicy(final_policy[1], str(tmp_path_factory.mktemp("served_policy_vllm")))
+    # scripts/start_vllm.sh on the final_policy directory; `start_messages` keeps the flags it chose
+    served = VLLMServerProcess(final_policy[1], str(tmp_path_factory.mktemp("served_policy_vllm")), max_model_len=512)
     served.start()
     TIMINGS["server_start_s"] = served.start_seconds[-1]
     yield served
