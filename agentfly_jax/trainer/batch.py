@@ -111,10 +111,12 @@ def micro_batch_count(rows_needed: int, *, micro_batches: int, rows_multiple: in
     needed = -(-rows_needed // cap_rows)
     if needed <= micro_batches:
         return micro_batches
-    nice = 1
-    while nice < needed:
-        nice = nice * 3 // 2 if nice & (nice - 1) == 0 and nice >= 2 else (nice * 4 // 3 if nice >= 3 else nice + 1)
-    return nice
+    power = 1  # the smallest of 1, 2, 3, 4, 6, 8, 12, ... (2^k and 3 * 2^(k-1)) that holds `needed`
+    while True:
+        for count in (power, 3 * power // 2):
+            if count >= needed:
+                return count
+        power *= 2
 
 
 def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.ndarray, lengths: np.ndarray, *,
