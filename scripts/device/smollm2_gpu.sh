@@ -70,6 +70,13 @@ case "${1:-}" in
     ;;
   java)
     dpkg -x .carry/java/openjdk-17-jre-headless_*.deb "$WORK/java"
+    # Debian's JRE links its configuration (jvm.cfg, conf/security/java.security, ...) to /etc/java-17-openjdk
+    # with absolute symlinks, dangling on a machine without the package: `java -version` still runs, but the
+    # ScienceWorld server dies before printing its port (py4j: `int(b'')`). Point them at the extracted copies.
+    find "$WORK/java" -type l -lname '/etc/java-17-openjdk/*' | while read -r link; do
+      target="$WORK/java$(readlink "$link")"
+      rm "$link" && cp -r "$target" "$link"
+    done
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .carry/java/*.whl
     env_vars
     java -version
