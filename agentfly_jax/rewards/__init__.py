@@ -11,17 +11,20 @@ from agentfly_jax.rewards.decorator import (
 )
 from agentfly_jax.rewards.extract import (
     extract_answer,
+    extract_answer_phrase,
     extract_answer_tag,
     extract_boxed,
     extract_final_answer_line,
 )
 from agentfly_jax.rewards.math_answers import (
+    grade_math_answer,
     math_answers_equal,
     math_match,
     normalize_math_answer,
     parse_number,
+    unbox,
 )
-from agentfly_jax.rewards.math_verify import math_verify_equal, math_verify_match
+from agentfly_jax.rewards.math_verify import grade_with_math_verify, math_verify_equal, math_verify_match
 from agentfly_jax.rewards.qa import normalize_qa_answer, qa_exact_match, qa_f1, token_f1
 
 __all__ = [
@@ -31,9 +34,12 @@ __all__ = [
     "RewardResult",
     "as_reward",
     "extract_answer",
+    "extract_answer_phrase",
     "extract_answer_tag",
     "extract_boxed",
     "extract_final_answer_line",
+    "grade_math_answer",
+    "grade_with_math_verify",
     "math_answers_equal",
     "math_match",
     "math_verify_equal",
@@ -45,4 +51,5 @@ __all__ = [
     "qa_f1",
     "reward",
     "token_f1",
+    "unbox",
 ]

@@ -19,6 +19,7 @@ with the reason in the reward's extras (`reason`).
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import re
@@ -44,7 +45,8 @@ MAX_ANSWER_CHARS = 2000
 MAX_PREDICTION_CHARS = 20000
 
 _INTEGER = re.compile(r"[+-]?\d+")
-_DELIMITED = re.compile(r"\$|\\\(|\\\[|\\boxed|\\fbox")
+# A math delimiter: `$` (not the escaped dollar sign `\$` of money answers), `\(`, `\[`, `\boxed`, `\fbox`.
+_DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed|\\fbox")
 
 
 class _Worker:
@@ -136,30 +138,70 @@ def _gold_texts(answer: Any) -> list[str]:
     return [str(g).strip() for g in golds if g is not None and str(g).strip()]
 
 
+#: `grade_with_math_verify` statuses: the two verdicts, and the ways of having none.
+STATUS_EQUAL = "equal"
+STATUS_NOT_EQUAL = "not_equal"
+STATUS_UNPARSABLE = "unparsable"  # math-verify found no expression on one side (or is not installed)
+STATUS_REFUSED = "refused"  # empty or too long: not graded
+STATUS_FAILED = "failed"  # the helper timed out or broke
+
+
+_AVAILABLE: bool | None = None
+
+
+def math_verify_available() -> bool:
+    """Whether the `math_verify` package is installed (the `envs` extra brings it)."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        _AVAILABLE = importlib.util.find_spec("math_verify") is not None
+    return _AVAILABLE
+
+
+def grade_with_math_verify(
+    gold: Any, predicted: str, *, boxed: bool = True, timeout: float | None = None
+) -> dict:
+    """{"equal", "reason", "status"}: math-verify's grading of `predicted` against `gold`, and how it went.
+
+    `status` is one of STATUS_EQUAL, STATUS_NOT_EQUAL (both sides parsed, and they differ),
+    STATUS_UNPARSABLE (math-verify found nothing to compare on one side, or is not installed),
+    STATUS_REFUSED (empty or too long) and STATUS_FAILED (the helper overran `timeout` or broke).
+    Never raises; see `math_verify_equal`.
+    """
+    gold_text, predicted = str(gold).strip(), str(predicted).strip()
+    if not predicted:
+        return {"equal": False, "reason": "empty answer", "status": STATUS_REFUSED}
+    if not gold_text:
+        return {"equal": False, "reason": "empty gold answer", "status": STATUS_REFUSED}
+    if len(predicted) > (MAX_ANSWER_CHARS if boxed else MAX_PREDICTION_CHARS):
+        return {"equal": False, "reason": f"answer of {len(predicted)} characters is too long to grade",
+                "status": STATUS_REFUSED}
+    if boxed and _INTEGER.fullmatch(gold_text) and _INTEGER.fullmatch(predicted):
+        equal = int(gold_text) == int(predicted)
+        return {"equal": equal, "reason": None if equal else "not equal to the gold answer",
+                "status": STATUS_EQUAL if equal else STATUS_NOT_EQUAL}
+    if not math_verify_available():
+        return {"equal": False, "reason": "math-verify is not installed (pip install math-verify)",
+                "status": STATUS_UNPARSABLE}
+    request = {"gold": gold_text, "prediction": predicted, "boxed": boxed}
+    try:
+        reply = _POOL.grade(request, HARD_TIMEOUT_SECONDS if timeout is None else timeout)
+    except TimeoutError as error:
+        return {"equal": False, "reason": str(error), "status": STATUS_FAILED}
+    except Exception as error:  # noqa: BLE001 - a broken helper scores 0, it does not kill the rollout
+        return {"equal": False, "reason": f"math-verify helper failed: {type(error).__name__}: {error}",
+                "status": STATUS_FAILED}
+    return {"equal": bool(reply.get("equal")), "reason": reply.get("reason"),
+            "status": reply.get("status", STATUS_FAILED)}
+
+
 def math_verify_equal(gold: Any, predicted: str, *, boxed: bool = True, timeout: float | None = None) -> dict:
     """{"equal": bool, "reason": str | None} of math-verify grading `predicted` against `gold`.
 
     `boxed`: `predicted` is the content of a `\\boxed{}` (else a whole text for math-verify to search).
     Never raises; `timeout` defaults to HARD_TIMEOUT_SECONDS.
     """
-    gold_text, predicted = str(gold).strip(), str(predicted).strip()
-    if not predicted:
-        return {"equal": False, "reason": "empty answer"}
-    if not gold_text:
-        return {"equal": False, "reason": "empty gold answer"}
-    if len(predicted) > (MAX_ANSWER_CHARS if boxed else MAX_PREDICTION_CHARS):
-        return {"equal": False, "reason": f"answer of {len(predicted)} characters is too long to grade"}
-    if boxed and _INTEGER.fullmatch(gold_text) and _INTEGER.fullmatch(predicted):
-        equal = int(gold_text) == int(predicted)
-        return {"equal": equal, "reason": None if equal else "not equal to the gold answer"}
-    request = {"gold": gold_text, "prediction": predicted, "boxed": boxed}
-    try:
-        reply = _POOL.grade(request, HARD_TIMEOUT_SECONDS if timeout is None else timeout)
-    except TimeoutError as error:
-        return {"equal": False, "reason": str(error)}
-    except Exception as error:  # noqa: BLE001 - a broken helper scores 0, it does not kill the rollout
-        return {"equal": False, "reason": f"math-verify helper failed: {type(error).__name__}: {error}"}
-    return {"equal": bool(reply.get("equal")), "reason": reply.get("reason")}
+    graded = grade_with_math_verify(gold, predicted, boxed=boxed, timeout=timeout)
+    return {"equal": graded["equal"], "reason": graded["reason"]}
 
 
 @reward
@@ -203,16 +245,18 @@ def _grade_in_helper(request: dict) -> dict:
 
     gold = _parse_gold(request["gold"])
     if not gold:
-        return {"equal": False, "reason": "math-verify could not parse the gold answer"}
+        return {"equal": False, "reason": "math-verify could not parse the gold answer",
+                "status": STATUS_UNPARSABLE}
     configs = [LatexExtractionConfig(), ExprExtractionConfig()]
     if request["boxed"]:
         predicted = parse(f"\\boxed{{{request['prediction']}}}", configs, parsing_timeout=PARSE_TIMEOUT_SECONDS)
     else:
         predicted = parse(request["prediction"], configs, parsing_timeout=PARSE_TIMEOUT_SECONDS)
     if not predicted:
-        return {"equal": False, "reason": "math-verify found no answer"}
-    equal = verify(gold, predicted, timeout_seconds=VERIFY_TIMEOUT_SECONDS)
-    return {"equal": bool(equal), "reason": None if equal else "not equal to the gold answer"}
+        return {"equal": False, "reason": "math-verify found no answer", "status": STATUS_UNPARSABLE}
+    equal = bool(verify(gold, predicted, timeout_seconds=VERIFY_TIMEOUT_SECONDS))
+    return {"equal": equal, "reason": None if equal else "not equal to the gold answer",
+            "status": STATUS_EQUAL if equal else STATUS_NOT_EQUAL}
 
 
 def _serve() -> None:
@@ -228,7 +272,8 @@ def _serve() -> None:
         try:
             reply = _grade_in_helper(json.loads(line))
         except BaseException as error:  # noqa: BLE001 - including math-verify's TimeoutException
-            reply = {"equal": False, "reason": f"math-verify failed: {type(error).__name__}: {error}"[:300]}
+            reply = {"equal": False, "reason": f"math-verify failed: {type(error).__name__}: {error}"[:300],
+                     "status": STATUS_FAILED}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
 
