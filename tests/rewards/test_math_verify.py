@@ -32,6 +32,7 @@ def score(prediction, answer):
         ("\\boxed{x = 3}", "3"),  # an assignment's value
         ("\\boxed{1,234}", "1234"),
         ("\\boxed{5906.25}", "5906.25"),
+        ("\\boxed{18.90}", "\\$18.90"),  # an escaped dollar sign is money, not a math delimiter
         ("Working... then \\boxed{3} and finally \\boxed{7}", "7"),  # the last box counts
         ("There are 12 apples left, so the answer is 12", "12"),  # no box: math-verify's own extraction
     ],
