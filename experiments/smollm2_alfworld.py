@@ -30,12 +30,15 @@ def get_config(arg: str | None = None):
     if arg == "cpu_small":  # 24 train / 8 held-out games (x 16 chains = 128 episodes), 8-turn chains, 4 x 4 a step
         c.env.options.update(dict(num_train_games=24, num_test_games=8, max_steps=10, pool_size=8, demo_tasks=24))
         c.task.update(dict(num_train=24, num_eval=8))
-        c.seq_buckets = (2048,)
+        # 1k-token chains and one 1k-token row per micro-batch: the CPU backend keeps every layer's [heads, T, T]
+        # attention for the backward pass (2k-token rows asked for 68 GB); demonstrations are cut to 1k tokens
+        c.seq_buckets = (1024,)
         c.model.remat = False
-        c.agent.update(dict(max_turns=8, max_new_tokens=32, max_context_tokens=2048))
-        c.jax_sampler.update(dict(max_slots=32, max_len=2048, steps_per_call=8))
+        c.agent.update(dict(max_turns=8, max_new_tokens=32, max_context_tokens=1024, max_observation_chars=400))
+        c.jax_sampler.update(dict(max_slots=32, max_len=1024, steps_per_call=8))
         smollm2_sft(c, ((30, 1.0), (10, 0.5)), batch_size=4)
-        c.rl.update(dict(steps=8, tasks_per_step=4, chains_per_task=4, mini_batches=1, micro_batch_tokens=8192))
+        c.sft.cut_long = True
+        c.rl.update(dict(steps=8, tasks_per_step=4, chains_per_task=4, mini_batches=1, micro_batch_tokens=1024))
         c.eval.update(dict(every=0, num_tasks=8, num_chains=16))
     elif arg == "cpu":
         c.env.options.update(dict(num_train_games=4, num_test_games=2, pool_size=2, demo_tasks=2))

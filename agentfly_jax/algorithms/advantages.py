@@ -1,4 +1,5 @@
-"""Advantage estimators on token-aligned, multi-turn batches: GRPO, Dr.GRPO, RLOO, REINFORCE++ and GAE.
+"""Advantage estimators on token-aligned, multi-turn batches: GRPO, Dr.GRPO, RLOO, REINFORCE++,
+REINFORCE++-baseline and GAE.
 
 Conventions shared by every estimator:
 - `action_mask[b, t]` (bool or 0/1 float) is 1 where the policy sampled token t; prompt, tool-output and
@@ -6,6 +7,12 @@ Conventions shared by every estimator:
 - Outputs are fp32 [B, T] and exactly 0 on non-action tokens; inputs at non-action positions are never read.
 - `group_ids[b]` are arbitrary ints (same task => same id), not necessarily 0..G-1 or contiguous. A padding
   row that should not join any group's statistics needs an id of its own.
+- A group of one has no baseline: the group estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline) give its
+  member advantage 0 (verl instead gives GRPO's lone member its raw reward). The trainer refuses these
+  algorithms with `rl.chains_per_task=1`, so a run cannot silently learn nothing.
+- Multi-turn returns: REINFORCE++'s return-to-go runs over the action tokens of ALL turns, skipping the
+  observation spans between them, so the outcome reward reaches every turn. (verl resets its running return
+  at every masked token, so only the last turn of a multi-turn response would see the reward.)
 Shapes: B batch (trajectories), T sequence.
 """
 
@@ -131,12 +138,29 @@ def reinforce_pp(rewards, action_mask, *, token_kl=None, kl_coef=0.0):
     return masked_whiten(returns, mask)
 
 
+@register_advantage_estimator("reinforce_pp_baseline")
+def reinforce_pp_baseline(rewards, group_ids, action_mask, *, token_kl=None, kl_coef=0.0):
+    """REINFORCE++-baseline [B, T]: each chain's score (its reward minus kl_coef * the sum of its action tokens'
+    KL) minus the mean score of its group, on every action token, then whitened over all action tokens of the
+    batch (`masked_whiten`). A group of one gets 0 before whitening."""
+    mask = as_float_mask(action_mask)  # [B, T]
+    scores = jnp.asarray(rewards, jnp.float32)  # [B]
+    if token_kl is not None:
+        scores = scores - kl_coef * jnp.sum(jnp.where(mask > 0, token_kl, 0.0).astype(jnp.float32), axis=1)
+    index = _group_index(group_ids)
+    count = _group_total(jnp.ones_like(scores), index)
+    centered = jnp.where(count > 1, _group_centered(scores, index, count), 0.0)
+    return masked_whiten(_broadcast_to_actions(centered, mask), mask)
+
+
 @register_advantage_estimator("gae")
-def gae(token_rewards, values, action_mask, *, gamma, lam):
+def gae(token_rewards, values, action_mask, *, gamma, lam, whiten=False):
     """GAE over action tokens only -> (advantages [B, T], returns = advantages + values [B, T]), 0 off-action.
 
     Non-action tokens are not steps: an action token's TD target uses the value of the next ACTION token, even
     across a tool output between turns; after the last action token the next value is 0.
+    `whiten=True` whitens the advantages over all action tokens of the batch (`masked_whiten`, as verl always
+    does); the returns the critic learns are computed before whitening.
     """
     mask = as_float_mask(action_mask) > 0  # [B, T]
     token_rewards = jnp.where(mask, token_rewards, 0.0).astype(jnp.float32)
@@ -156,6 +180,8 @@ def gae(token_rewards, values, action_mask, *, gamma, lam):
     _, advantages = jax.lax.scan(step, init, (token_rewards.T, values.T, mask.T), reverse=True)  # [T, B]
     advantages = advantages.T  # [B, T]
     returns = jnp.where(mask, advantages + values, 0.0)
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
     return advantages, returns
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from agentfly_jax.algorithms.advantages import as_float_mask
 from agentfly_jax.algorithms.registry import register_policy_loss
 
-AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 # ------------------------------------------------------------------------------------------------ aggregation
@@ -32,6 +32,8 @@ def aggregation_weights(action_mask, mode="token-mean", *, norm_len=None, groups
 
     - "token-mean": mask / (action tokens of the group).
     - "seq-mean-token-mean": mask / (the sequence's action tokens * sequences of the group with any).
+    - "seq-mean-token-sum": mask / (sequences of the group with any): each sequence's token sum, averaged over
+      sequences (long sequences weigh more).
     - "seq-mean-token-sum-norm" (Dr.GRPO): mask / (norm_len * sequences of the group with any), `norm_len` a
       constant horizon (default T, the padded length).
     `groups` [B] (ints in [0, num_groups)) aggregates each group separately, e.g. each PPO mini-batch of a
@@ -53,6 +55,8 @@ def aggregation_weights(action_mask, mode="token-mean", *, norm_len=None, groups
         n_seqs = per_group_total((per_seq > 0).astype(jnp.float32))
         if mode == "seq-mean-token-mean":
             denominator = (jnp.maximum(per_seq, 1.0) * n_seqs)[:, None]
+        elif mode == "seq-mean-token-sum":
+            denominator = n_seqs[:, None]
         else:
             horizon = mask.shape[1] if norm_len is None else norm_len
             denominator = (horizon * n_seqs)[:, None]
@@ -127,6 +131,101 @@ def ppo_policy_loss(
     if is_weights is not None:
         per_token = per_token * jax.lax.stop_gradient(is_weights)
 
+    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights)
+    metrics = {
+        "clip_fraction": _masked_mean(clip_active, mask),
+        "dual_clip_fraction": _masked_mean(dual_active, mask),
+        "approx_kl": _masked_mean(ratio - 1.0 - log_ratio, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "ratio_min": _masked_extreme(ratio, mask, jnp.min, jnp.inf),
+        "ratio_max": _masked_extreme(ratio, mask, jnp.max, -jnp.inf),
+    }
+    return loss, jax.lax.stop_gradient(metrics)
+
+
+def sequence_index(action_mask, segment_ids=None):
+    """Dense sequence index [B, T] in [0, B*T): each row is one sequence, or with `segment_ids` [B, T] (packed
+    rows: 1, 2, ... per sequence, 0 = padding) each (row, segment) is one."""
+    rows, length = action_mask.shape
+    row = jnp.arange(rows, dtype=jnp.int32)[:, None] * length
+    if segment_ids is None:
+        return jnp.broadcast_to(row, (rows, length))
+    return row + jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, length - 1)
+
+
+def _per_sequence_mean(x, mask, index):
+    """Mean of x [B, T] over each sequence's action tokens, broadcast back to its tokens [B, T]."""
+    n = index.size
+    flat = index.reshape(-1)
+    total = jax.ops.segment_sum(jnp.where(mask > 0, x, 0.0).reshape(-1), flat, num_segments=n)
+    count = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=n)
+    return (total / jnp.maximum(count, 1.0))[flat].reshape(x.shape)
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    action_mask,
+    *,
+    clip_eps=3e-4,
+    clip_eps_high=None,
+    dual_clip=None,
+    agg="seq-mean-token-mean",
+    is_weights=None,
+    norm_len=None,
+    weights=None,
+    segment_ids=None,
+):
+    """GSPO (Group Sequence Policy Optimization) clipped surrogate -> (loss, metrics).
+
+    One importance ratio per sequence, s = exp(mean over the sequence's action tokens of logprobs -
+    old_logprobs), clipped to [1 - clip_eps, 1 + clip_eps_high] (GSPO's ranges are small: 3e-4 / 4e-4), and the
+    clipped objective max(-A s, -A clip(s)) per sequence with A the sequence's advantage (the mean of
+    `advantages` over its action tokens: the outcome estimators put one value on all of them). Each row of
+    [B, T] is one sequence; with `segment_ids` (packed rows) each segment is. The sequence losses are averaged
+    over sequences: the per-sequence loss sits on each of its action tokens and is reduced with the
+    "seq-mean-token-mean" weights (whose token weights sum to 1 / sequences per sequence), so a row with no
+    action token counts for nothing and micro-batch sums add up to the mini-batch mean (`weights`).
+    `dual_clip` caps a negative-advantage sequence's loss at dual_clip * (-A); `is_weights` multiply the
+    per-token loss without gradient, as in `ppo_policy_loss`.
+
+    Metrics (over action tokens, so a sequence weighs by its length; `clip_fraction` is the fraction of tokens
+    whose sequence's clipped term is active): clip_fraction, dual_clip_fraction, approx_kl (k3 of the
+    sequence log-ratio), ratio_mean/min/max (the sequence ratios).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (it caps the loss at dual_clip * -A), got {dual_clip}")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    mask = as_float_mask(action_mask)  # [B, T]
+    is_action = mask > 0
+    index = sequence_index(mask, segment_ids)
+    token_log_ratio = jnp.where(is_action, logprobs - old_logprobs, 0.0).astype(jnp.float32)
+    log_ratio = _per_sequence_mean(token_log_ratio, mask, index)  # [B, T], the sequence's on each token
+    ratio = jnp.exp(log_ratio)
+    advantage = _per_sequence_mean(jnp.where(is_action, advantages, 0.0).astype(jnp.float32), mask, index)
+
+    unclipped = -advantage * ratio
+    clipped = -advantage * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = jnp.zeros_like(clip_active)
+    if dual_clip is not None:
+        cap = -advantage * dual_clip
+        dual_active = (advantage < 0) & (per_token > cap)
+        per_token = jnp.where(dual_active, cap, per_token)
+    if is_weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(is_weights)
+
+    if weights is None and segment_ids is not None:  # packed rows: aggregate over segments, not rows
+        if agg != "seq-mean-token-mean":
+            raise ValueError(f"gspo_policy_loss on packed rows (segment_ids) aggregates over segments only with "
+                             f"agg='seq-mean-token-mean', got {agg!r}: pass `weights` computed on the unpacked view")
+        flat = index.reshape(-1)
+        count = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=index.size)
+        sequences = jnp.sum(count > 0)
+        weights = mask / jnp.maximum(count[flat].reshape(mask.shape) * sequences, 1.0)
     loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights)
     metrics = {
         "clip_fraction": _masked_mean(clip_active, mask),

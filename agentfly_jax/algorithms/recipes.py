@@ -42,6 +42,10 @@ class Recipe:
     aggregation: the loss aggregation (see `algorithms.aggregation_weights`); `aggregation_fixed` means it
     defines the algorithm and `loss.aggregation` may not change it.
     kl_in_reward: the estimator takes per-token KL (so `advantage.kl_in_reward_coef` is accepted).
+    loss_defaults: {loss knob: default} where the algorithm's differ from `COMMON_LOSS_KNOBS` (GSPO's small
+    clip ranges).
+    group_baseline: the estimator's baseline is the chain's group (GRPO, RLOO, ...): a group of one gets no
+    signal, so the trainer refuses `rl.chains_per_task=1`.
     """
 
     name: str
@@ -52,6 +56,8 @@ class Recipe:
     needs_critic: bool = False
     advantage_knobs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     kl_in_reward: bool = False
+    loss_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    group_baseline: bool = False
     description: str = ""
 
     def __post_init__(self):
@@ -67,6 +73,10 @@ class Recipe:
         if self.kl_in_reward and "token_rewards" not in params and not {"token_kl", "kl_coef"} <= set(params):
             raise ValueError(f"recipe {self.name!r}: estimator {self.estimator!r} takes no per-token KL "
                              "(token_rewards, or token_kl and kl_coef)")
+        unknown = [k for k in self.loss_defaults if k not in COMMON_LOSS_KNOBS]
+        if unknown:
+            raise ValueError(f"recipe {self.name!r}: loss_defaults {unknown} are not loss knobs "
+                             f"({', '.join(COMMON_LOSS_KNOBS)})")
         loss_params = inspect.signature(get_policy_loss(self.policy_loss)).parameters
         missing = [k for k in ("clip_eps", "clip_eps_high", "dual_clip", "weights") if k not in loss_params]
         if missing:  # what the trainer's policy_loss passes to every registered loss
@@ -106,7 +116,7 @@ class Recipe:
             raise RecipeError(f"config.loss.norm_len={norm_len} has no effect with aggregation {aggregation!r} "
                               "(only 'seq-mean-token-sum-norm' divides by a constant horizon)")
         kl_loss_estimator = loss.pop("kl_loss_estimator", None)
-        settings = dict(COMMON_LOSS_KNOBS)
+        settings = {**COMMON_LOSS_KNOBS, **self.loss_defaults}
         for key, value in loss.items():
             if key not in COMMON_LOSS_KNOBS:
                 raise RecipeError(_unused("loss", key, self, sorted(COMMON_LOSS_KNOBS)
@@ -187,18 +197,31 @@ def recipe_names() -> list[str]:
 
 
 register_recipe(Recipe(
-    "grpo", estimator="grpo", advantage_knobs={"normalize_std": True, "eps": 1e-6},
+    "grpo", estimator="grpo", advantage_knobs={"normalize_std": True, "eps": 1e-6}, group_baseline=True,
     description="GRPO: group-normalised outcome advantages, PPO clipped loss, KL (if any) in the loss"))
 register_recipe(Recipe(
     "drgrpo", estimator="drgrpo", aggregation="seq-mean-token-sum-norm", aggregation_fixed=True,
+    group_baseline=True,
     description="Dr.GRPO: group-centred advantages without std division, each sequence's token sum divided by "
                 "a constant horizon (loss.norm_len, default agent.max_context_tokens)"))
 register_recipe(Recipe(
-    "rloo", estimator="rloo",
+    "gspo", estimator="grpo", policy_loss="gspo", advantage_knobs={"normalize_std": True, "eps": 1e-6},
+    aggregation="seq-mean-token-mean", aggregation_fixed=True, group_baseline=True,
+    loss_defaults={"clip_eps": 3e-4, "clip_eps_high": 4e-4},
+    description="GSPO: GRPO's group-normalised advantages with one clipped importance ratio per sequence "
+                "(geometric mean of its token ratios), sequences averaged; clip ranges 3e-4 / 4e-4"))
+register_recipe(Recipe(
+    "rloo", estimator="rloo", group_baseline=True,
     description="RLOO: leave-one-out group baseline, PPO clipped loss"))
 register_recipe(Recipe(
     "reinforce_pp", estimator="reinforce_pp", kl_in_reward=True,
     description="REINFORCE++: token-level return-to-go (KL in the reward), whitened over the batch"))
 register_recipe(Recipe(
-    "ppo", estimator="gae", needs_critic=True, kl_in_reward=True, advantage_knobs={"gamma": 1.0, "lam": 1.0},
-    description="PPO: GAE over action tokens with a learned critic, KL in the reward"))
+    "reinforce_pp_baseline", estimator="reinforce_pp_baseline", kl_in_reward=True, group_baseline=True,
+    description="REINFORCE++-baseline: the chain's score minus its group's mean score on every action token, "
+                "whitened over the batch (KL, if any, in the score or in the loss)"))
+register_recipe(Recipe(
+    "ppo", estimator="gae", needs_critic=True, kl_in_reward=True,
+    advantage_knobs={"gamma": 1.0, "lam": 1.0, "whiten": False},
+    description="PPO: GAE over action tokens with a learned critic, KL in the reward; advantage.whiten=True "
+                "whitens the advantages over the batch (verl's default)"))

@@ -190,6 +190,17 @@ class RLSection:
     # upper bound on rows x row length of one micro-batch: a step with more tokens is split into more
     # micro-batches (counts rounded to 1, 2, 3, 4, 6, 8, 12, ... so shapes repeat). None: `micro_batches` only.
     micro_batch_tokens: int | None = knob(65536, lambda v: v is None or v > 0, "> 0")
+    # DAPO dynamic sampling: groups whose chains all got the same reward (no signal) are dropped and more tasks
+    # (tasks_per_step a round, at most `dynamic_sampling_max_rounds` extra rounds) are rolled out until
+    # tasks_per_step groups with signal are in hand; short of that, dropped groups fill the batch
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = knob(3, *NON_NEGATIVE)
+    # DAPO overlong shaping: reward += factor * overlong_penalty(sampled tokens of the chain, max_len, buffer_len)
+    # (0 up to max_len - buffer_len, then down to -factor at max_len); max_len defaults to the most tokens a
+    # chain can sample (agent.max_new_tokens * agent.max_turns). None: off.
+    overlong_buffer_len: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    overlong_max_len: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    overlong_penalty_factor: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +241,7 @@ class AdvantageSection:
     lam: float | None = knob(None, lambda v: v is None or 0 <= v <= 1, "in [0, 1]")
     kl_in_reward_coef: float | None = knob(None, lambda v: v is None or v >= 0, ">= 0")
     kl_in_reward_estimator: str | None = None
+    whiten: bool | None = None  # GAE (ppo): whiten the advantages over the batch's action tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,10 +372,33 @@ class TrainConfig:
         if self.rl.tasks_per_step * self.rl.chains_per_task < self.rl.mini_batches:
             raise ConfigError(f"config.rl.mini_batches={self.rl.mini_batches} is more than the "
                               f"{self.rl.tasks_per_step * self.rl.chains_per_task} chains of a step")
+        from agentfly_jax.algorithms.recipes import get_recipe
+
+        if self.rl.chains_per_task == 1 and get_recipe(self.algorithm).group_baseline:
+            raise ConfigError(f"config.rl.chains_per_task=1 with algorithm {self.algorithm!r}: its baseline is the "
+                              "task's group of chains, and a group of one gets advantage 0 (nothing is learned); "
+                              "use chains_per_task >= 2, or an algorithm without a group baseline "
+                              "('reinforce_pp', 'ppo')")
+        if self.rl.dynamic_sampling and self.rl.chains_per_task == 1:
+            raise ConfigError("config.rl.dynamic_sampling=True with config.rl.chains_per_task=1: every group of one "
+                              "has equal rewards and would be dropped; use chains_per_task >= 2")
+        if not self.rl.overlong_buffer_len:
+            for key in ("overlong_max_len", "overlong_penalty_factor"):
+                if getattr(self.rl, key) is not None:
+                    raise ConfigError(f"config.rl.{key} has no effect without config.rl.overlong_buffer_len "
+                                      "(the length over which the penalty ramps up): set it or unset this")
+        elif self.rl.overlong_buffer_len > self.overlong_max_len():
+            raise ConfigError(f"config.rl.overlong_buffer_len={self.rl.overlong_buffer_len} is longer than the "
+                              f"overlong max_len {self.overlong_max_len()} (config.rl.overlong_max_len, default "
+                              "agent.max_new_tokens * agent.max_turns): lower it")
         longest = self.agent.max_context_tokens
         if longest > max(self.seq_buckets):
             raise ConfigError(f"config.agent.max_context_tokens={longest} does not fit the largest of "
                               f"config.seq_buckets={self.seq_buckets}: raise the buckets or lower the context")
+
+    def overlong_max_len(self) -> int:
+        """The length at which DAPO's overlong penalty reaches its full size (sampled tokens of a chain)."""
+        return self.rl.overlong_max_len or self.agent.max_new_tokens * self.agent.max_turns
 
     def resolved_algorithm(self):
         """The recipe of `algorithm` with this config's advantage/loss knobs decided (RecipeError if one does

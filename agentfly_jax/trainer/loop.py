@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
@@ -233,22 +234,107 @@ def _eval_pass(run: Run, step: int, tasks, temperature: float, top_p: float, num
 
 
 # ============================================================================================ RL step
-def rollout(run: Run, step: int):
+def _step_tasks(run: Run, step: int, extra_round: int = 0) -> list[dict]:
+    """The step's tasks: the next `tasks_per_step` of a per-epoch shuffle of the training set; an extra round of
+    dynamic sampling draws its own `tasks_per_step` at random (seeded by step and round, so a resumed run
+    repeats them)."""
     cfg = run.config
-    order = np.random.default_rng(cfg.seed * 1_000_003 + step // max(1, len(run.train_tasks)))
-    start = (step * cfg.rl.tasks_per_step) % len(run.train_tasks)
-    perm = order.permutation(len(run.train_tasks))
-    tasks = [run.train_tasks[perm[(start + i) % len(perm)]] for i in range(cfg.rl.tasks_per_step)]
-    return run.runner.run(run.agent.run(tasks, num_chains=cfg.rl.chains_per_task, seed=cfg.seed * 7919 + step,
-                                        progress=cfg.progress))
+    count, n = cfg.rl.tasks_per_step, len(run.train_tasks)
+    if extra_round:
+        pick = np.random.default_rng([cfg.seed, step, 2, extra_round]).integers(0, n, count)
+        return [run.train_tasks[i] for i in pick]
+    order = np.random.default_rng(cfg.seed * 1_000_003 + step // max(1, n))
+    start = (step * count) % n
+    perm = order.permutation(n)
+    return [run.train_tasks[perm[(start + i) % n]] for i in range(count)]
+
+
+def rollout(run: Run, step: int):
+    """The step's chains -> (trajectories to train on, every trajectory sampled, dynamic-sampling metrics).
+
+    With `rl.dynamic_sampling` (DAPO), groups whose chains all got the same reward are dropped (they have no
+    advantage signal) and further rounds of tasks are rolled out until `tasks_per_step` groups with signal are
+    in hand or `dynamic_sampling_max_rounds` extra rounds are spent; the batch is then topped up with dropped
+    groups so that every step trains on `tasks_per_step` groups. Groups are renumbered, so a task drawn twice
+    makes two groups."""
+    cfg = run.config
+    rl = cfg.rl
+
+    def sample(tasks, round_index):
+        return run.runner.run(run.agent.run(tasks, num_chains=rl.chains_per_task,
+                                            seed=cfg.seed * 7919 + step + 1_000_033 * round_index,
+                                            progress=cfg.progress))
+
+    if not rl.dynamic_sampling:
+        trajectories = sample(_step_tasks(run, step), 0)
+        return trajectories, trajectories, {}
+    kept, dropped, every, round_stats = [], [], [], []
+    rounds = 0
+    while len(kept) < rl.tasks_per_step and rounds <= rl.dynamic_sampling_max_rounds:
+        trajectories = sample(_step_tasks(run, step, rounds), rounds)
+        every.extend(trajectories)
+        round_stats.append(dict(run.agent.last_run_stats))
+        groups: dict[int, list] = {}
+        for t in trajectories:
+            groups.setdefault(t.group_id, []).append(t)
+        for group in groups.values():
+            rewards = {t.reward for t in group}
+            (kept if len(rewards) > 1 else dropped).append(group)
+        rounds += 1
+    filled = max(0, rl.tasks_per_step - len(kept))
+    chosen = kept[:rl.tasks_per_step] + dropped[len(dropped) - filled:] if filled else kept[:rl.tasks_per_step]
+    train_on = []
+    for new_id, group in enumerate(chosen):
+        for t in group:
+            t.group_id = new_id
+            train_on.append(t)
+    metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_kept": float(len(kept)),
+               "dynamic_sampling/groups_dropped": float(len(dropped)),
+               "dynamic_sampling/groups_filled": float(filled),
+               "dynamic_sampling/chains_sampled": float(len(every))}
+    run.agent.last_run_stats = _combine_round_stats(round_stats)  # what rollout_metrics logs: every round
+    if filled:
+        log.warning("step %d: dynamic sampling found %d of %d groups with reward signal in %d rounds; %d groups "
+                    "without signal fill the batch", step, len(kept), rl.tasks_per_step, rounds, filled)
+    return train_on, every, metrics
+
+
+def _combine_round_stats(rounds: list[dict]) -> dict:
+    """The agent's per-run statistics of several rollout rounds as one: counts add up, peaks take the max,
+    means and per-chain ratios are averaged over the rounds."""
+    out = {}
+    for key in rounds[0]:
+        values = [r.get(key, 0.0) for r in rounds]
+        if key.endswith("_peak"):
+            out[key] = max(values)
+        elif "mean" in key or "per_chain" in key:
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = sum(values)
+    return out
+
+
+def overlong_shaping(run: Run, arrays: dict) -> dict:
+    """DAPO's overlong penalty added to `arrays["rewards"]` in place (by the chains' sampled tokens); metrics."""
+    rl = run.config.rl
+    if not rl.overlong_buffer_len:
+        return {}
+    sampled = np.asarray(arrays["action_mask"]).sum(axis=1)
+    penalty = np.asarray(algorithms.overlong_penalty(sampled, max_len=run.config.overlong_max_len(),
+                                                     buffer_len=rl.overlong_buffer_len))
+    arrays["rewards"] = (arrays["rewards"] + (rl.overlong_penalty_factor or 1.0) * penalty).astype(np.float32)
+    return {"reward/overlong_penalty_mean": float(penalty.mean()),
+            "reward/overlong_fraction": float((penalty < 0).mean())}
 
 
 def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     """Trajectories -> the step's UpdateBatch, on the devices (one transfer), filled by the jitted `prepare`
-    (old/reference logprobs, values, advantages, loss weights); returns it with prepare's metrics."""
+    (old/reference logprobs, values, advantages, loss weights); returns it with prepare's metrics (and the
+    overlong shaping's)."""
     cfg = run.config
     arrays = trajectories_to_batch(trajectories, pad_to=choose_bucket(max(t.length for t in trajectories),
                                                                        cfg.seq_buckets))
+    shaping = overlong_shaping(run, arrays)
     minibatch = assign_minibatches(len(trajectories), cfg.rl.mini_batches, np.random.default_rng([cfg.seed, step, 0]))
     batch = pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
                       rewards=arrays["rewards"], group_ids=arrays["group_ids"], minibatch=minibatch,
@@ -256,7 +342,8 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
                       rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
                       micro_batch_tokens=cfg.rl.micro_batch_tokens)
     with _mesh_context(run):
-        return run.prepare_fn(run.state, _put_batch(run, batch))
+        batch, metrics = run.prepare_fn(run.state, _put_batch(run, batch))
+    return batch, {**metrics, **shaping}
 
 
 def update(run: Run, batch: UpdateBatch, step: int) -> dict:
@@ -334,7 +421,7 @@ def train(config, workdir: str | None = None) -> dict:
                    total=cfg.rl.steps, disable=not cfg.progress)
         for step in bar:
             t0 = time.perf_counter()
-            trajectories = rollout(run, step)
+            trajectories, sampled, sampling_metrics = rollout(run, step)
             t_rollout = time.perf_counter() - t0
 
             t0 = time.perf_counter()
@@ -343,13 +430,14 @@ def train(config, workdir: str | None = None) -> dict:
             update_metrics = {k: float(v) for k, v in jax.device_get({**batch_metrics, **update_metrics}).items()}
             t_update = time.perf_counter() - t0
             tokens = float(sum(t.length for t in trajectories))
+            sampled_tokens = float(sum(t.length for t in sampled))
 
             t_sync = sync_weights(run, step + 1)
-            metrics = {**rollout_metrics(run, trajectories), **update_metrics,
+            metrics = {**rollout_metrics(run, sampled), **sampling_metrics, **update_metrics,
                        "update/tokens": tokens * cfg.rl.ppo_epochs,
                        "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": t_sync,
                        "throughput/update_tokens_per_s": tokens * cfg.rl.ppo_epochs / max(t_update, 1e-9),
-                       "throughput/rollout_tokens_per_s": tokens / max(t_rollout, 1e-9),
+                       "throughput/rollout_tokens_per_s": sampled_tokens / max(t_rollout, 1e-9),
                        "policy_version": float(step + 1)}
             if (step + 1) % cfg.log_every == 0:
                 run.writer.scalars(step + 1, metrics)

@@ -10,6 +10,7 @@ the mini-batch. The algorithm's knobs come from its recipe (`algorithms.recipes.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import jax
@@ -64,9 +65,12 @@ def policy_loss(params, rows: PackedRows, model, alg: ResolvedAlgorithm):
             rows.old_logprobs, rows.sampler_logprobs, mask, cap=alg.is_cap)
         pg_weights = token_weights * is_weights
         metrics.update(is_metrics)
-    pg_loss, pg_metrics = algorithms.get_policy_loss(alg.recipe.policy_loss)(
+    loss_fn = algorithms.get_policy_loss(alg.recipe.policy_loss)
+    # sequence-level losses (GSPO) find the packed trajectories by their segment ids
+    extra = {"segment_ids": rows.segment_ids} if "segment_ids" in inspect.signature(loss_fn).parameters else {}
+    pg_loss, pg_metrics = loss_fn(
         logprobs, rows.old_logprobs, rows.advantages, mask, clip_eps=alg.clip_eps,
-        clip_eps_high=alg.clip_eps_high, dual_clip=alg.dual_clip, weights=pg_weights)
+        clip_eps_high=alg.clip_eps_high, dual_clip=alg.dual_clip, weights=pg_weights, **extra)
     metrics.update(pg_metrics)
     metrics["pg_loss"] = loss = pg_loss
     if alg.kl_loss_coef:

@@ -116,6 +116,43 @@ def reinforce_pp(rewards, mask, token_kl=None, kl_coef=0.0, eps=1e-8):
     return out
 
 
+def reinforce_pp_baseline(rewards, group_ids, mask, token_kl=None, kl_coef=0.0, eps=1e-8):
+    """Score = reward - kl_coef * sum of the action tokens' KL; minus the group's mean score (a group of one:
+    0); on every action token; whitened (sample std) over all action tokens of the batch."""
+    scores = []
+    for b in range(mask.shape[0]):
+        kl_sum = sum(float(token_kl[b, t]) for t in action_positions(mask[b])) if token_kl is not None else 0.0
+        scores.append(float(rewards[b]) - kl_coef * kl_sum)
+    per_sequence = np.zeros(len(scores))
+    for members in groups_of(group_ids).values():
+        if len(members) > 1:
+            mean = sum(scores[i] for i in members) / len(members)
+            for i in members:
+                per_sequence[i] = scores[i] - mean
+    return whiten(_spread(per_sequence, mask), mask, eps)
+
+
+def whiten(values, mask, eps=1e-8):
+    """(x - mean) / (sample std + eps) over all action tokens of the batch; 0 elsewhere."""
+    xs = [float(values[b, t]) for b in range(mask.shape[0]) for t in action_positions(mask[b])]
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    out = np.zeros(mask.shape)
+    for b in range(mask.shape[0]):
+        for t in action_positions(mask[b]):
+            out[b, t] = (float(values[b, t]) - mean) / (std + eps)
+    return out
+
+
+def overlong_penalty(length, max_len, buffer_len):
+    """DAPO's soft overlong punishment for one response length."""
+    if length <= max_len - buffer_len:
+        return 0.0
+    if length >= max_len:
+        return -1.0
+    return -(length - (max_len - buffer_len)) / buffer_len
+
+
 def gae(token_rewards, values, mask, gamma, lam):
     advantages = np.zeros(mask.shape)
     returns = np.zeros(mask.shape)
@@ -143,6 +180,8 @@ def aggregate(per_token, mask, mode, norm_len=None):
             continue
         if mode == "seq-mean-token-mean":
             per_sequence.append(sum(values) / len(values))
+        elif mode == "seq-mean-token-sum":
+            per_sequence.append(sum(values))
         else:
             per_sequence.append(sum(values) / (seq_len if norm_len is None else norm_len))
     return sum(per_sequence) / len(per_sequence) if per_sequence else 0.0
@@ -257,3 +296,45 @@ def truncated_is_weights(logprobs, sampler_logprobs, mask, cap):
         "is_capped_fraction": _mean_over_actions(capped, mask),
     }
     return weights, metrics
+
+
+def gspo(logprobs, old_logprobs, advantages, mask, segment_ids=None, clip_eps=3e-4, clip_eps_high=None,
+         dual_clip=None):
+    """-> (loss, metrics, dloss_dlogprobs). Sequences are rows, or (row, segment id) pairs of packed rows; the
+    loss is the mean over sequences with action tokens of max(-A s, -A clip(s)), s = exp(mean log-ratio)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    sequences = {}
+    for b in range(mask.shape[0]):
+        for t in action_positions(mask[b]):
+            key = (b, 0 if segment_ids is None else int(segment_ids[b, t]))
+            sequences.setdefault(key, []).append(t)
+    losses, grad = [], np.zeros(mask.shape)
+    token_clipped, token_dual, token_ratio, token_kl = [], [], [], []
+    for (b, _), positions in sequences.items():
+        n = len(positions)
+        log_ratio = sum(float(logprobs[b, t]) - float(old_logprobs[b, t]) for t in positions) / n
+        ratio = math.exp(log_ratio)
+        adv = sum(float(advantages[b, t]) for t in positions) / n
+        bounded = min(max(ratio, 1 - clip_eps), 1 + high)
+        loss, slope, clipped, dual = -adv * ratio, -adv * ratio, 0, 0  # slope: d loss / d log_ratio
+        if -adv * bounded > loss:
+            loss, slope, clipped = -adv * bounded, 0.0, 1
+        if dual_clip is not None and adv < 0 and loss > -adv * dual_clip:
+            loss, slope, dual = -adv * dual_clip, 0.0, 1
+        losses.append(loss)
+        for t in positions:
+            grad[b, t] = slope / n  # d log_ratio / d logprob_t = 1 / n
+        token_clipped += [clipped] * n
+        token_dual += [dual] * n
+        token_ratio += [ratio] * n
+        token_kl += [ratio - 1 - log_ratio] * n
+    count = len(losses)
+    metrics = {
+        "clip_fraction": sum(token_clipped) / len(token_clipped),
+        "dual_clip_fraction": sum(token_dual) / len(token_dual),
+        "approx_kl": sum(token_kl) / len(token_kl),
+        "ratio_mean": sum(token_ratio) / len(token_ratio),
+        "ratio_min": min(token_ratio),
+        "ratio_max": max(token_ratio),
+    }
+    return sum(losses) / count, metrics, grad / count

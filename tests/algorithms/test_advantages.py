@@ -100,6 +100,57 @@ def test_reinforce_pp_reward_sits_on_last_action_token_of_the_last_turn():
     np.testing.assert_array_equal(token_rewards, [[0, 0, 0, 0, 0, 0, 2, 0, 0]])
 
 
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reinforce_pp_baseline_matches_reference(seed, kl_coef):
+    rng, rewards, mask = make_batch(seed)
+    token_kl = rng.normal(scale=0.5, size=(BATCH, SEQ)).astype(np.float32)
+    fn = jax.jit(functools.partial(algorithms.reinforce_pp_baseline, kl_coef=kl_coef))
+    got = np.asarray(fn(rewards, GROUP_IDS, mask, token_kl=token_kl))
+    want = ref.reinforce_pp_baseline(rewards, GROUP_IDS, mask, token_kl, kl_coef)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    action = mask > 0
+    np.testing.assert_allclose(got[action].std(ddof=1), 1.0, rtol=1e-5)
+    assert np.abs(got[action].mean()) < 1e-6
+    # one value per chain: the baseline is the group's, not a token's return-to-go
+    for b in range(BATCH):
+        if action[b].any():
+            assert np.ptp(got[b][action[b]]) == 0.0
+    # groups of one (rows 4 and 10) carry no signal: only the whitening's shift is left on them
+    assert got[4][action[4]][0] == got[10][action[10]][0]
+
+
+def test_reinforce_pp_baseline_equal_group_rewards_give_zero():
+    rewards = np.array([0.3, 0.3, 0.3, 0.3], np.float32)
+    got = algorithms.reinforce_pp_baseline(rewards, np.array([1, 1, 2, 2]), np.ones((4, 3), bool))
+    assert np.all(np.asarray(got) == 0.0)
+
+
+def test_gae_whiten_is_the_whitened_gae_and_keeps_the_returns():
+    rng, _, mask = make_batch(6)
+    token_rewards = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
+    values = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
+    advantages, returns = jax.jit(functools.partial(algorithms.gae, gamma=0.99, lam=0.95, whiten=True))(
+        token_rewards, values, mask)
+    raw, want_returns = ref.gae(token_rewards, values, mask, 0.99, 0.95)
+    np.testing.assert_allclose(advantages, ref.whiten(raw, mask), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(returns, want_returns, rtol=RTOL, atol=ATOL)  # the critic's targets: unwhitened
+
+
+def test_overlong_penalty_matches_reference():
+    lengths = np.array([0, 10, 99, 100, 101, 125, 149, 150, 151, 1000])
+    got = np.asarray(jax.jit(functools.partial(algorithms.overlong_penalty, max_len=150, buffer_len=50))(lengths))
+    want = [ref.overlong_penalty(n, 150, 50) for n in lengths]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert got[3] == 0.0 and got[5] == -0.5 and got[7] == -1.0 and got[-1] == -1.0
+    with pytest.raises(ValueError, match=r"buffer_len must be in \(0, max_len=150\], got 0"):
+        algorithms.overlong_penalty(lengths, max_len=150, buffer_len=0)
+    with pytest.raises(ValueError, match="buffer_len must be in"):
+        algorithms.overlong_penalty(lengths, max_len=150, buffer_len=151)
+    with pytest.raises(TypeError, match="must be ints"):
+        algorithms.overlong_penalty(lengths, max_len=150.0, buffer_len=10)
+
+
 @pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.9, 0.5), (1.0, 1.0)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gae_matches_reference(seed, gamma, lam):

@@ -13,7 +13,7 @@ from tests.algorithms import numpy_reference as ref
 RTOL, ATOL = 1e-5, 1e-6
 BATCH, SEQ = 8, 32
 EMPTY_ROW = 5
-MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 def make_batch(seed, log_ratio_scale=0.3):
@@ -44,7 +44,7 @@ def test_aggregate_modes_differ_and_norm_len_is_a_constant_horizon():
     rng, mask, *_ = make_batch(1)
     per_token = rng.normal(size=(BATCH, SEQ)).astype(np.float32)
     values = [float(algorithms.aggregate_loss(per_token, mask, mode)) for mode in MODES]
-    assert len(set(values)) == 3
+    assert len(set(values)) == len(MODES)
     got = algorithms.aggregate_loss(per_token, mask, "seq-mean-token-sum-norm", norm_len=100)
     np.testing.assert_allclose(
         got, ref.aggregate(per_token, mask, "seq-mean-token-sum-norm", norm_len=100), rtol=RTOL, atol=ATOL
@@ -186,6 +186,73 @@ def test_ppo_ignores_garbage_outside_the_mask():
     np.testing.assert_array_equal(grad, clean_grad)
 
 
+GSPO_CONFIGS = [
+    {},  # GSPO's own ranges (3e-4 / 4e-4)
+    {"clip_eps": 0.02, "clip_eps_high": 0.03},
+    {"clip_eps": 0.02, "dual_clip": 1.01},
+]
+
+
+@pytest.mark.parametrize("config", GSPO_CONFIGS)
+def test_gspo_loss_metrics_and_gradient_match_reference(config):
+    _, mask, logprobs, old_logprobs, advantages = make_batch(3, log_ratio_scale=0.1)
+    loss_fn = jax.jit(functools.partial(algorithms.gspo_policy_loss, **config))
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(logprobs, old_logprobs, advantages, mask)
+    want_loss, want_metrics, want_grad = ref.gspo(logprobs, old_logprobs, advantages, mask, **config)
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL, atol=ATOL)
+    assert_metrics_close(metrics, want_metrics)
+    np.testing.assert_allclose(grad, want_grad, rtol=RTOL, atol=ATOL)
+    if config.get("clip_eps") == 0.02 and not config.get("dual_clip"):
+        assert 0 < want_metrics["clip_fraction"] < 1  # both sides of the clip exercised
+    if config.get("dual_clip"):
+        assert want_metrics["dual_clip_fraction"] > 0
+
+
+def test_gspo_is_one_ratio_per_sequence_unlike_ppo():
+    """Two sequences with the same mean log-ratio but a different spread: GSPO's ratios are equal, PPO's
+    per-token ratios are not; and a sequence's loss does not depend on its length at equal ratios."""
+    mask = np.array([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]], np.float32)
+    old = np.zeros((2, 5), np.float32)
+    new = np.array([[0, 0.2, -0.2, 0.1, -0.1], [0, 0, 0.05, -0.05, 0]], np.float32)
+    adv = np.ones((2, 5), np.float32)
+    _, metrics = algorithms.gspo_policy_loss(new, old, adv, mask, clip_eps=0.5)
+    assert float(metrics["ratio_min"]) == float(metrics["ratio_max"]) == 1.0
+    _, ppo_metrics = algorithms.ppo_policy_loss(new, old, adv, mask, clip_eps=0.5)
+    assert float(ppo_metrics["ratio_max"]) > 1.2
+    loss, _ = algorithms.gspo_policy_loss(new, old, adv, mask, clip_eps=0.5)
+    assert float(loss) == -1.0  # the mean over sequences of -A * 1
+
+
+def test_gspo_packed_segments_equal_one_sequence_per_row():
+    """Rows packed two sequences to a row (segment ids 1, 2) give the loss, metrics and gradient of the same
+    sequences one per row: a segment is a sequence, not the row."""
+    _, mask, logprobs, old_logprobs, advantages = make_batch(7, log_ratio_scale=0.1)
+    config = {"clip_eps": 0.02, "clip_eps_high": 0.03}
+
+    def pack(x):  # rows 2i and 2i+1 side by side
+        return np.concatenate([x[0::2], x[1::2]], axis=1)
+
+    segment_ids = np.concatenate([np.ones((BATCH // 2, SEQ), np.int32), np.full((BATCH // 2, SEQ), 2, np.int32)],
+                                 axis=1)
+    loss_fn = functools.partial(algorithms.gspo_policy_loss, **config)
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(logprobs, old_logprobs, advantages, mask)
+    (packed_loss, packed_metrics), packed_grad = jax.value_and_grad(
+        lambda lp: loss_fn(lp, pack(old_logprobs), pack(advantages), pack(mask), segment_ids=segment_ids),
+        has_aux=True)(pack(logprobs))
+    np.testing.assert_allclose(packed_loss, loss, rtol=RTOL, atol=ATOL)
+    assert_metrics_close(packed_metrics, jax.device_get(metrics))
+    np.testing.assert_allclose(packed_grad, pack(np.asarray(grad)), rtol=RTOL, atol=ATOL)
+    # without the segment ids each packed row would be one sequence: a different loss
+    wrong, _ = loss_fn(pack(logprobs), pack(old_logprobs), pack(advantages), pack(mask))
+    assert abs(float(wrong) - float(loss)) > 1e-4
+
+
+def test_gspo_empty_mask_gives_zero_not_nan():
+    garbage = jnp.full((2, 5), jnp.nan)
+    loss, metrics = algorithms.gspo_policy_loss(garbage, garbage, garbage, jnp.zeros((2, 5)))
+    assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+
+
 def test_dual_clip_must_exceed_one():
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         algorithms.ppo_policy_loss(
@@ -195,7 +262,8 @@ def test_dual_clip_must_exceed_one():
 
 def test_policy_loss_registry():
     assert algorithms.get_policy_loss("ppo") is algorithms.ppo_policy_loss
-    with pytest.raises(ValueError, match="unknown policy loss 'grpo_loss'; known: ppo"):
+    assert algorithms.get_policy_loss("gspo") is algorithms.gspo_policy_loss
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo_loss'; known: gspo, ppo"):
         algorithms.get_policy_loss("grpo_loss")
 
 

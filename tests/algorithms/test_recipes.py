@@ -8,7 +8,7 @@ from agentfly_jax import algorithms
 from agentfly_jax.algorithms import recipes
 from agentfly_jax.algorithms.recipes import Recipe, RecipeError, get_recipe, recipe_names, register_recipe
 
-BUILTIN = ["drgrpo", "grpo", "ppo", "reinforce_pp", "rloo"]
+BUILTIN = ["drgrpo", "grpo", "gspo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
 
 
 def resolve(name, advantage=None, loss=None):
@@ -37,11 +37,22 @@ def test_builtin_recipes_are_what_they_say():
     assert resolve("drgrpo").aggregation == "seq-mean-token-sum-norm"
     assert get_recipe("drgrpo").aggregation_fixed
     assert dict(resolve("grpo").estimator_kwargs) == {"normalize_std": True, "eps": 1e-6}
-    assert dict(resolve("ppo").estimator_kwargs) == {"gamma": 1.0, "lam": 1.0}
+    assert dict(resolve("ppo").estimator_kwargs) == {"gamma": 1.0, "lam": 1.0, "whiten": False}
+    assert dict(resolve("ppo", {"whiten": True}).estimator_kwargs)["whiten"] is True
     assert get_recipe("ppo").estimator == "gae"
-    assert [n for n in BUILTIN if get_recipe(n).kl_in_reward] == ["ppo", "reinforce_pp"]
-    assert [n for n in BUILTIN if get_recipe(n).aggregation == "token-mean"] == ["grpo", "ppo", "reinforce_pp",
-                                                                                   "rloo"]
+    assert [n for n in BUILTIN if get_recipe(n).kl_in_reward] == ["ppo", "reinforce_pp", "reinforce_pp_baseline"]
+    assert [n for n in BUILTIN if get_recipe(n).aggregation == "token-mean"] == [
+        "grpo", "ppo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+    assert [n for n in BUILTIN if get_recipe(n).group_baseline] == [
+        "drgrpo", "grpo", "gspo", "reinforce_pp_baseline", "rloo"]
+    gspo = resolve("gspo")  # GSPO's own clip ranges and sequence-mean aggregation, overridable clip
+    assert (gspo.clip_eps, gspo.clip_eps_high, gspo.aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert get_recipe("gspo").policy_loss == "gspo" and get_recipe("gspo").aggregation_fixed
+    assert resolve("gspo", loss={"clip_eps": 0.01}).clip_eps == 0.01
+    with pytest.raises(RecipeError, match="defined by its aggregation"):
+        resolve("gspo", loss={"aggregation": "token-mean"})
+    with pytest.raises(RecipeError, match=r"config.advantage.whiten has no effect under algorithm 'grpo'"):
+        resolve("grpo", {"whiten": True})
 
 
 @pytest.mark.parametrize("name,advantage,loss,key", [

@@ -39,11 +39,15 @@ def _train(workdir, *extra, wait=True, short=True):
     return json.load(open(os.path.join(workdir, "summary.json")))
 
 
+DAPO = ("--config.rl.dynamic_sampling=True", "--config.rl.overlong_buffer_len=16", "--config.rl.overlong_max_len=24")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "reinforce_pp", "ppo"])
-def test_quickstart_short_run(tmp_path, algorithm):
+@pytest.mark.parametrize("algorithm,extra", [("grpo", ()), ("rloo", ()), ("reinforce_pp", ()), ("ppo", ()),
+                                             ("gspo", DAPO)], ids=["grpo", "rloo", "reinforce_pp", "ppo", "gspo_dapo"])
+def test_quickstart_short_run(tmp_path, algorithm, extra):
     workdir = str(tmp_path / algorithm)
-    summary = _train(workdir, f"--config.algorithm={algorithm}", "--config.rl.steps=2")
+    summary = _train(workdir, f"--config.algorithm={algorithm}", "--config.rl.steps=2", *extra)
     for key in ("algorithm", "success_before", "success_after", "steps", "wall_seconds"):
         assert key in summary
     assert summary["algorithm"] == algorithm and summary["steps"] == 2
@@ -56,6 +60,11 @@ def test_quickstart_short_run(tmp_path, algorithm):
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
     if algorithm == "ppo":
         assert "critic/loss" in scalars
+    if extra:  # DAPO's dynamic sampling and overlong shaping report what they did each step
+        for tag in ("dynamic_sampling/rounds", "dynamic_sampling/groups_kept", "dynamic_sampling/groups_dropped",
+                    "dynamic_sampling/groups_filled", "reward/overlong_penalty_mean", "reward/overlong_fraction"):
+            assert [s for s, _ in scalars[tag]] == [1, 2], tag
+        assert all(1 <= v <= 4 for _, v in scalars["dynamic_sampling/rounds"])
     # the trained policy comes out in HF format
     assert os.path.isfile(os.path.join(summary["final_policy"], "model.safetensors"))
 

@@ -154,6 +154,32 @@ def test_two_micro_batches_equal_one_full_batch(policy, agg):
     assert 0.0 < m1["policy/clip_fraction"] < 1.0
 
 
+def test_gspo_step_packed_and_micro_batched_equals_one_trajectory_per_row(policy):
+    """GSPO's sequence ratio through the train step: packed rows (the loss finds sequences by segment id) and
+    two micro-batches give the update of one trajectory per row in one micro-batch."""
+    model, params = policy
+    arrays, lengths = _multi_turn_batch(4)
+    arrays = _with_old_logprobs(model, params, arrays, lengths)
+    alg = _alg("gspo", clip_eps=0.05, clip_eps_high=0.08)
+    sgd = optax.sgd(1.0)
+    unpacked = _filled_minibatch(arrays, lengths, "seq-mean-token-mean", row_len=T)
+    packed = _filled_minibatch(arrays, lengths, "seq-mean-token-mean", row_len=4 * T, micro_batches=2)
+    assert unpacked.tokens.shape[1] == 8 and packed.tokens.shape[0] == 2  # two micro-batches
+    assert packed.tokens.shape[0] * packed.tokens.shape[1] < 8 and packed.segment_ids.max() >= 3  # really packed
+    s1, m1 = _step(model, params, unpacked, sgd, alg=alg)
+    s2, m2 = _step(model, params, packed, sgd, alg=alg)
+    assert _max_diff(s1.policy.params, params) > 1e-4  # the step did something
+    assert _max_diff(s1.policy.params, s2.policy.params) <= 1e-5
+    for k in ("policy/loss", "policy/clip_fraction", "policy/ratio_mean", "policy/ratio_max"):
+        assert abs(m1[k] - m2[k]) <= 1e-5 * max(1.0, abs(m1[k])), k
+    assert 0.0 < m1["policy/clip_fraction"] < 1.0
+    # the loss is GSPO's: the numpy reference on the unpacked trajectories (old logprobs = the rows' own)
+    logprobs = _policy_logprobs(model, params, arrays, lengths)
+    want, _, _ = ref.gspo(logprobs, arrays["old_logprobs"], arrays["advantages"], arrays["action_mask"],
+                          clip_eps=0.05, clip_eps_high=0.08)
+    np.testing.assert_allclose(m1["policy/pg_loss"], want, rtol=1e-4, atol=1e-6)
+
+
 def test_packed_rows_equal_one_trajectory_per_row(policy):
     model, params = policy
     arrays, lengths = _multi_turn_batch(1)
@@ -288,7 +314,7 @@ def _token_rewards(rewards, mask, token_kl, kl_coef):
     for b in range(mask.shape[0]):
         positions = ref.action_positions(mask[b])
         for t in positions:
-            out[b, t] = -kl_coef * token_kl[b, t]
+            out[b, t] = -kl_coef * token_kl[b, t] if token_kl is not None else 0.0
         if positions:
             out[b, positions[-1]] += rewards[b]
     return out
@@ -317,7 +343,10 @@ PREPARE_CASES = {
     "rloo": ("rloo", {}, {}),
     "reinforce_pp": ("reinforce_pp", {"kl_in_reward_coef": 0.1}, {}),
     "drgrpo": ("drgrpo", {}, {"norm_len": 100}),
+    "gspo": ("gspo", {}, {}),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", {"kl_in_reward_coef": 0.1}, {}),
     "ppo": ("ppo", {"gamma": 0.99, "lam": 0.95, "kl_in_reward_coef": 0.05, "kl_in_reward_estimator": "k3"}, {}),
+    "ppo_whiten": ("ppo", {"gamma": 0.99, "lam": 0.95, "whiten": True}, {}),
 }
 
 
@@ -361,7 +390,7 @@ def test_prepare_matches_reference_estimators_on_the_unpacked_view(policy, case)
 
     # --- advantages (and returns): the numpy reference estimator on [N, T] ----------------------------------
     want_returns = None
-    if name == "grpo":
+    if name in ("grpo", "gspo"):
         want = ref.grpo(rewards, group_ids, mask)
     elif name == "drgrpo":
         want = ref.grpo(rewards, group_ids, mask, normalize_std=False)
@@ -369,15 +398,19 @@ def test_prepare_matches_reference_estimators_on_the_unpacked_view(policy, case)
         want = ref.rloo(rewards, group_ids, mask)
     elif name == "reinforce_pp":
         want = ref.reinforce_pp(rewards, mask, token_kl=token_kl, kl_coef=alg.kl_in_reward_coef)
+    elif name == "reinforce_pp_baseline":
+        want = ref.reinforce_pp_baseline(rewards, group_ids, mask, token_kl=token_kl, kl_coef=alg.kl_in_reward_coef)
     else:
         values = _unpacked_values(critic, critic_params, tokens) * mask
         np.testing.assert_allclose(unpack_rows(rows.old_values, batch), values, rtol=RTOL, atol=ATOL)
         want, want_returns = ref.gae(_token_rewards(rewards, mask, token_kl, alg.kl_in_reward_coef), values, mask,
                                      gamma=0.99, lam=0.95)
+        if alg.estimator_kwargs["whiten"]:
+            want = ref.whiten(want, mask)
     advantages = unpack_rows(rows.advantages, batch)
     assert np.abs(want[mask > 0]).min() < np.abs(want[mask > 0]).max()  # not all one value
     # whitening (reinforce_pp) and the GAE scan accumulate fp32 sums over many tokens: RTOL/ATOL there
-    np.testing.assert_allclose(advantages, want, **(TIGHT if name in ("grpo", "rloo", "drgrpo")
+    np.testing.assert_allclose(advantages, want, **(TIGHT if name in ("grpo", "gspo", "rloo", "drgrpo")
                                                     else {"rtol": RTOL, "atol": ATOL}))
     assert (rows.advantages[rows.action_mask == 0] == 0).all()
     if want_returns is not None:
@@ -401,6 +434,11 @@ def test_prepare_matches_reference_estimators_on_the_unpacked_view(policy, case)
             assert alg.aggregation == "seq-mean-token-sum-norm" and alg.norm_len == 100
             n_seqs = int((mask[members].sum(1) > 0).sum())
             np.testing.assert_allclose(weights[members], mask[members] / (100 * n_seqs), rtol=1e-6, atol=0)
+        elif name == "gspo":  # each sequence's tokens weigh 1 / (its action tokens * sequences with actions)
+            assert alg.aggregation == "seq-mean-token-mean"
+            n_seqs = int((mask[members].sum(1) > 0).sum())
+            per_seq = np.maximum(mask[members].sum(1, keepdims=True), 1)
+            np.testing.assert_allclose(weights[members], mask[members] / (per_seq * n_seqs), rtol=1e-6, atol=0)
         else:
             assert alg.aggregation == "token-mean"
             np.testing.assert_allclose(rows.loss_weights[k].sum(), 1.0, rtol=1e-6)
