@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agentfly_jax.tools.schema import ToolDefinitionError, function_parameters, parse_docstring
+from agentfly_jax.tools.schema import ToolDefinitionError, parse_docstring, tool_parameters
 
 # Parameters filled by the runtime, never by the model: the chain's environment and its dataset row.
 ENV_PARAMETER = "env"
@@ -77,9 +77,11 @@ class Tool:
         self.timeout = timeout
         self.max_observation_chars = max_observation_chars
         self.is_async = inspect.iscoroutinefunction(func)
-        self.parameters, self.accepts_extra_arguments = function_parameters(
-            func, injected=(ENV_PARAMETER, TASK_PARAMETER), where=where
-        )
+        made = tool_parameters(func, injected=(ENV_PARAMETER, TASK_PARAMETER), where=where)
+        self.parameters, self.accepts_extra_arguments = made.parameters, made.accepts_extra
+        #: {parameter: where its schema came from} and why transformers' get_json_schema could not convert
+        #: the function (None when it did); see agentfly_jax.tools.schema.
+        self.schema_sources, self.schema_fallback_reason = made.sources, made.fallback_reason
         self._instance: Any = None
         functools.update_wrapper(self, func)
 
@@ -149,7 +151,9 @@ def tool(
 ):
     """Make a function (sync or async, plain or method) a tool; usable as `@tool` or `@tool(...)`.
 
-    The schema comes from the signature, type hints and the Google-style docstring (`Args:` section).
+    The schema comes from the signature, type hints and the Google-style docstring (`Args:` section), through
+    `transformers.utils.get_json_schema` where it converts them and our own conversion elsewhere (see
+    agentfly_jax.tools.schema; `Tool.schema_sources` tells which gave each parameter).
     Args:
       name: tool name shown to the model (default: the function's name).
       description: what the tool does (default: the docstring's description).

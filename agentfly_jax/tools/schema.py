@@ -3,13 +3,29 @@
 A tool's schema is the OpenAI/Hugging Face function format that chat templates render into the system
 prompt: `{"type": "function", "function": {"name", "description", "parameters": {...}}}`. The
 `parameters` object is a small JSON-schema subset (string, integer, number, boolean, array, object,
-null, enum), which is also what `validate_arguments` checks model-written arguments against.
+null, enum, anyOf, items, prefixItems, additionalProperties, nullable), which is also what
+`validate_arguments` checks model-written arguments against: the schema the model sees is the one enforced.
+
+Where the parameters come from (`tool_parameters`): `transformers.utils.get_json_schema`, the function
+Hugging Face documents for building tool schemas for chat templates, gives each parameter's schema when it
+converts the whole function (every argument described in an `Args:` section in its `name: text` form) and
+converts that parameter's type hint faithfully: str, int, float, bool, None, Any, list/tuple/dict and their
+generics, unions, Optional, Literal. Our own conversion (`json_schema_for_type`, `parse_docstring`) gives
+the rest: Enum classes (get_json_schema calls them "object"), set/Sequence/Mapping, `tuple[X, ...]`, and
+every parameter of a function get_json_schema refuses (an undocumented argument, an `Arguments:` section,
+`name (type): text` lines, ...). The two agree on every hint both convert (tests/tools/test_schema.py
+compares them), so the fallback changes no schema that get_json_schema can make; a docstring's
+`(choices: [...])` suffix becomes an `enum` in both. The tool's name and description are always ours
+(`@tool(name=..., description=...)` win over the function's), and no return-type entry is added: chat
+templates render the schema verbatim and ignore returns.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
+import json
 import re
 import types
 import typing
@@ -33,6 +49,9 @@ _SECTION_HEADERS = (
 )
 _SECTION_LINE = re.compile(r"^(\s*)([A-Za-z ]+):\s*$")
 _ARG_LINE = re.compile(r"^(\*{0,2}\w+)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
+
+# A docstring argument description ending in `(choices: ["a", "b"])`: the JSON list becomes the schema's enum.
+_CHOICES = re.compile(r"\(choices:\s*(.*)\)\s*$", re.IGNORECASE)
 
 _JSON_TYPE_NAMES = {
     str: "string",
@@ -113,7 +132,9 @@ def json_schema_for_type(hint: Any, where: str) -> dict[str, Any]:
         else:
             schemas = [json_schema_for_type(arg, where) for arg in non_null]
             if all(set(s) == {"type"} and isinstance(s["type"], str) for s in schemas):
-                schema = {"type": [s["type"] for s in schemas]}
+                # Plain types as one type list, sorted and without repeats (`list | tuple` is one "array").
+                names = sorted({s["type"] for s in schemas})
+                schema = {"type": names[0] if len(names) == 1 else names}
             else:
                 schema = {"anyOf": schemas}
         if nullable:
@@ -121,20 +142,17 @@ def json_schema_for_type(hint: Any, where: str) -> dict[str, Any]:
         return schema
     if hint in (list, tuple, set, frozenset) or origin in (list, tuple, set, frozenset, Sequence):
         schema: dict[str, Any] = {"type": "array"}
-        if args and not (origin is tuple and (len(args) != 2 or args[1] is not Ellipsis)):
-            schema["items"] = json_schema_for_type(args[0], where)
-        elif args and origin is tuple:
-            # A fixed-length tuple: every position must have the same type for a JSON schema here.
-            if len(set(args)) != 1:
-                raise ToolDefinitionError(
-                    f"{where}: tuple[{', '.join(map(_type_name, args))}] has mixed item types; "
-                    "use list[X] or a single item type"
-                )
+        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+            # A fixed-length tuple: one schema per position (exactly that many items).
+            if Ellipsis in args:
+                raise ToolDefinitionError(f"{where}: tuple[...] may hold `...` only as tuple[X, ...]")
+            schema["prefixItems"] = [json_schema_for_type(arg, where) for arg in args]
+        elif args:
             schema["items"] = json_schema_for_type(args[0], where)
         return schema
     if hint in (dict, Mapping) or origin in (dict, Mapping):
         schema = {"type": "object"}
-        if len(args) == 2 and args[1] is not Any:
+        if len(args) == 2:
             schema["additionalProperties"] = json_schema_for_type(args[1], where)
         return schema
     raise ToolDefinitionError(
@@ -144,35 +162,66 @@ def json_schema_for_type(hint: Any, where: str) -> dict[str, Any]:
 
 
 def _schema_of_values(values: list[Any], where: str) -> dict[str, Any]:
-    types_ = {_JSON_TYPE_NAMES.get(type(value)) for value in values}
-    if None in types_ or not values:
-        raise ToolDefinitionError(f"{where}: Literal/Enum values must be str, int, float or bool, got {values!r}")
-    schema: dict[str, Any] = {"enum": list(values)}
-    if len(types_) == 1:
-        schema["type"] = types_.pop()
-    return schema
+    """{"type": the values' JSON type (a list in order of first appearance when they mix), "enum": values}."""
+    kinds: list[str] = []
+    for value in values:
+        kind = _JSON_TYPE_NAMES.get(type(value))
+        if kind is None:
+            raise ToolDefinitionError(
+                f"{where}: Literal/Enum values must be str, int, float, bool or None, got {values!r}"
+            )
+        if kind not in kinds:
+            kinds.append(kind)
+    if not values:
+        raise ToolDefinitionError(f"{where}: a Literal/Enum needs at least one value")
+    return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(values)}
 
 
 def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or repr(hint)
 
 
-def function_parameters(
-    func: Callable, *, injected: Sequence[str] = (), where: str
-) -> tuple[dict[str, Any], bool]:
-    """(JSON schema of the parameters the model fills in, whether **kwargs accepts extra arguments).
+#: Where a parameter's schema came from (`ToolParameters.sources`).
+SOURCE_TRANSFORMERS = "transformers.get_json_schema"
+SOURCE_OWN = "agentfly_jax"
 
-    Parameters named in `injected` (e.g. `env`, `task`) and a leading `self`/`cls` are left out of the
-    schema. Every other parameter needs a type hint.
+
+@dataclasses.dataclass(frozen=True)
+class ToolParameters:
+    """A function's parameter schema and how it was made.
+
+    parameters: the JSON schema of the arguments the model fills in ({"type": "object", "properties",
+      "required"}).
+    accepts_extra: whether `**kwargs` takes arguments beyond the schema.
+    sources: {parameter name: SOURCE_TRANSFORMERS or SOURCE_OWN}.
+    fallback_reason: why `transformers.utils.get_json_schema` could not convert the function (then every
+      parameter is SOURCE_OWN); None when it did.
+    """
+
+    parameters: dict[str, Any]
+    accepts_extra: bool
+    sources: dict[str, str]
+    fallback_reason: str | None
+
+
+def tool_parameters(func: Callable, *, injected: Sequence[str] = (), where: str) -> ToolParameters:
+    """The schema of the parameters the model fills in: get_json_schema's where it converts them, else ours.
+
+    Parameters named in `injected` (e.g. `env`, `task`), a leading `self`/`cls` and `**kwargs` are left out
+    of the schema. Every other parameter needs a type hint. See the module docstring for which source gives
+    which parameter; a definition our conversion rejects raises ToolDefinitionError whatever
+    get_json_schema would make of it.
     """
     signature = inspect.signature(func)
     try:
         hints = typing.get_type_hints(func)
     except Exception as error:  # unresolvable forward references
         raise ToolDefinitionError(f"{where}: cannot resolve the type hints ({error})") from error
-    _, documented = parse_docstring(inspect.getdoc(func))
+    doc = inspect.getdoc(func)
+    _, documented = parse_docstring(doc)
     properties: dict[str, Any] = {}
     required: list[str] = []
+    visible: list[inspect.Parameter] = []
     accepts_extra = False
     for position, (name, parameter) in enumerate(signature.parameters.items()):
         if position == 0 and name in ("self", "cls"):
@@ -196,14 +245,91 @@ def function_parameters(
                 f"{where}: parameter '{name}' has no type hint; annotate it (e.g. `{name}: str`) so the "
                 "model sees its type"
             )
-        schema = dict(json_schema_for_type(hints[name], f"{where}, parameter '{name}'"))
+        label = f"{where}, parameter '{name}'"
+        schema = dict(json_schema_for_type(hints[name], label))
         if documented.get(name):
-            schema["description"] = documented[name]
+            _describe_parameter(schema, documented[name], label)
         properties[name] = schema
+        visible.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints[name]))
         if parameter.default is inspect.Parameter.empty:
             required.append(name)
+    sources = dict.fromkeys(properties, SOURCE_OWN)
+    converted, fallback_reason = _transformers_properties(func, visible, doc)
+    if converted is not None:
+        for parameter in visible:
+            if _transformers_converts(parameter.annotation):
+                properties[parameter.name] = converted[parameter.name]
+                sources[parameter.name] = SOURCE_TRANSFORMERS
     parameters: dict[str, Any] = {"type": "object", "properties": properties, "required": required}
-    return parameters, accepts_extra
+    return ToolParameters(parameters, accepts_extra, sources, fallback_reason)
+
+
+def function_parameters(
+    func: Callable, *, injected: Sequence[str] = (), where: str
+) -> tuple[dict[str, Any], bool]:
+    """(JSON schema of the parameters the model fills in, whether **kwargs accepts extra arguments).
+
+    `tool_parameters` without the record of where each schema came from.
+    """
+    made = tool_parameters(func, injected=injected, where=where)
+    return made.parameters, made.accepts_extra
+
+
+def _describe_parameter(schema: dict[str, Any], description: str, where: str) -> None:
+    """Sets the schema's description, turning a trailing `(choices: [JSON list])` into its `enum`."""
+    choices = _CHOICES.search(description)
+    if choices:
+        try:
+            values = json.loads(choices.group(1))
+        except json.JSONDecodeError as error:
+            raise ToolDefinitionError(
+                f"{where}: the docstring's (choices: ...) is not a JSON list ({error}); "
+                'write e.g. (choices: ["tea", "coffee"])'
+            ) from error
+        if not isinstance(values, list) or not values:
+            raise ToolDefinitionError(
+                f"{where}: the docstring's (choices: ...) must be a non-empty JSON list, "
+                f"got {choices.group(1)}"
+            )
+        schema["enum"] = [value.strip() if isinstance(value, str) else value for value in values]
+        description = description[: choices.start()].strip()
+    schema["description"] = description
+
+
+def _transformers_converts(hint: Any) -> bool:
+    """Whether get_json_schema converts `hint` faithfully (it calls classes it does not know "object")."""
+    if hint in (str, int, float, bool, type(None), Any, list, tuple, dict):
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType, list):
+        return all(_transformers_converts(arg) for arg in args)
+    if origin is typing.Literal:
+        return bool(args) and all(type(arg) in (str, int, float, bool, type(None)) for arg in args)
+    if origin is tuple:
+        return len(args) >= 2 and Ellipsis not in args and all(_transformers_converts(arg) for arg in args)
+    if origin is dict:
+        return all(_transformers_converts(arg) for arg in args[1:])
+    return False
+
+
+def _transformers_properties(
+    func: Callable, visible: list[inspect.Parameter], doc: str | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """({name: schema} from transformers.utils.get_json_schema, None) or (None, why it could not)."""
+    from transformers.utils import get_json_schema
+
+    def model_visible():  # what get_json_schema reads: the model's parameters only, no return annotation
+        pass
+
+    model_visible.__name__ = getattr(func, "__name__", "tool")
+    model_visible.__doc__ = doc
+    model_visible.__signature__ = inspect.Signature(visible)
+    model_visible.__annotations__ = {parameter.name: parameter.annotation for parameter in visible}
+    try:
+        converted = get_json_schema(model_visible)["function"]["parameters"]["properties"]
+    except Exception as error:  # noqa: BLE001 - any refusal means our conversion gives the schema
+        return None, f"{type(error).__name__}: {error}"
+    return converted, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,6 +350,9 @@ def _type_label(schema: dict[str, Any]) -> str:
         return " or ".join(kind)
     if kind == "array" and "items" in schema:
         return f"array of {_type_label(schema['items'])}"
+    if kind == "array" and "prefixItems" in schema:
+        positions = schema["prefixItems"]
+        return f"array of {len(positions)} items ({', '.join(map(_type_label, positions))})"
     return kind or "any value"
 
 
@@ -252,8 +381,15 @@ def coerce_value(value: Any, schema: dict[str, Any], path: str) -> Any:
         return value
     kinds = kind if isinstance(kind, list) else [kind]
     for option in kinds:
+        if option == "integer" and isinstance(value, float) and "number" in kinds:
+            continue  # a float stays a float where numbers are allowed
         converted = _as_json_type(value, option)
         if converted is not _MISMATCH:
+            if option == "array" and "prefixItems" in schema:
+                positions = schema["prefixItems"]
+                if len(converted) != len(positions):
+                    raise ValueError(f"{path} must be {_type_label(schema)}, got {len(converted)} items")
+                return [coerce_value(item, positions[i], f"{path}[{i}]") for i, item in enumerate(converted)]
             if option == "array" and "items" in schema:
                 return [coerce_value(item, schema["items"], f"{path}[{i}]") for i, item in enumerate(converted)]
             if option == "object" and "additionalProperties" in schema:
