@@ -21,7 +21,7 @@ from typing import Any
 
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.decorator import ENV_PARAMETER, TASK_PARAMETER, Tool, as_tool_table
-from agentfly_jax.tools.parsers import ParseError, ToolCall, parse_hermes_tool_calls
+from agentfly_jax.tools.parsers import ParseError, ToolCall, decode_arguments, parse_hermes_tool_calls
 from agentfly_jax.tools.schema import validate_arguments
 
 #: Every way a tool call can fail; each ToolResult with ok=False carries one of these.
@@ -113,6 +113,12 @@ def _call_from_raw(raw: str | Mapping[str, Any]) -> ToolCall | ToolResult:
     """A ToolCall from raw model output (a `<tool_call>` block or a bare JSON object), or the failure."""
     if isinstance(raw, Mapping):
         name, arguments = raw.get("name"), raw.get("arguments", {})
+        if isinstance(name, str) and isinstance(arguments, str):
+            decoded = decode_arguments(name, arguments)  # a JSON-encoded string, the OpenAI convention
+            if isinstance(decoded, str):
+                kind = "bad_json" if "not valid JSON" in decoded else "parse_error"
+                return _failure(kind, f"{decoded}. Your call was: {repr(raw)[:300]}", name=name)
+            arguments = decoded
         if not isinstance(name, str) or not isinstance(arguments, Mapping):
             return _failure(
                 "parse_error", 'a tool call is {"name": <tool name>, "arguments": {...}}; got ' + repr(raw)[:200]
@@ -174,7 +180,8 @@ async def execute_tool_call(
     """Run one tool call; any failure comes back as `ToolResult(ok=False, error_kind=...)`, never raised.
 
     call: a parsed ToolCall, the raw text the model wrote (`<tool_call>{...}</tool_call>` or bare JSON),
-      or a {"name", "arguments"} dict.
+      or a {"name", "arguments"} dict; the arguments may be an object or a string holding one (OpenAI's
+      convention), in the text and in the dict alike.
     tools: {name: Tool}, or a list of Tools / functions / registered names.
     timeout, max_observation_chars: used for tools that do not set their own (defaults
       DEFAULT_TOOL_TIMEOUT_S and DEFAULT_MAX_OBSERVATION_CHARS; `math.inf` timeout means none).

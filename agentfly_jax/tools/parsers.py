@@ -51,7 +51,10 @@ class ParseResult:
 
 
 def _call_from_json_object(payload: Any, raw: str) -> ToolCall | ParseError:
-    """A ToolCall from a decoded `{"name": ..., "arguments": {...}}` object, or why it is not one."""
+    """A ToolCall from a decoded `{"name": ..., "arguments": {...}}` object, or why it is not one.
+
+    `arguments` may also be a string holding a JSON object (`decode_arguments`).
+    """
     if not isinstance(payload, dict):
         return ParseError(
             f"a tool call must be a JSON object with name and arguments, got {type(payload).__name__}", raw
@@ -68,12 +71,36 @@ def _call_from_json_object(payload: Any, raw: str) -> ToolCall | ParseError:
         return ParseError(
             f'tool call {name!r} has no arguments: write "arguments": {{...}} (empty if none)', raw
         )
-    arguments = payload["arguments"]
-    if not isinstance(arguments, dict):
-        return ParseError(
-            f"arguments of tool call {name!r} must be a JSON object, got {type(arguments).__name__}", raw
-        )
+    arguments = decode_arguments(name, payload["arguments"])
+    if isinstance(arguments, str):
+        return ParseError(arguments, raw)
     return ToolCall(name=name, arguments=arguments, raw=raw)
+
+
+def decode_arguments(name: str, arguments: Any) -> dict[str, Any] | str:
+    """A call's arguments as a dict, or the message saying why they are not an object.
+
+    Arguments may be a JSON object, or a string holding one (the OpenAI convention, which vLLM's Hermes
+    parser also accepts): `"{\\"expression\\": \\"1+2\\"}"` is decoded. A string that is not valid JSON, or
+    holds something other than an object, gives the message.
+    """
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError) as error:
+            return (
+                f"arguments of tool call {name!r} are a string that is not valid JSON ({error}); "
+                'write "arguments": {...}, or a string holding one JSON object'
+            )
+        if not isinstance(decoded, dict):
+            return (
+                f"arguments of tool call {name!r} are a JSON string holding {type(decoded).__name__}, "
+                'not an object; write "arguments": {...}'
+            )
+        return decoded
+    if not isinstance(arguments, dict):
+        return f"arguments of tool call {name!r} must be a JSON object, got {type(arguments).__name__}"
+    return arguments
 
 
 def _join_text(pieces: list[str]) -> str:
@@ -89,7 +116,10 @@ TOOL_CALL_CLOSE = "</tool_call>"
 
 
 def parse_hermes_tool_calls(text: str) -> ParseResult:
-    """Calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn."""
+    """Calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn.
+
+    The arguments may also be a JSON-encoded string (`"arguments": "{\\"x\\": 1}"`, the OpenAI convention).
+    """
     calls: list[ToolCall] = []
     errors: list[ParseError] = []
     free_text: list[str] = []

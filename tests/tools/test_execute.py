@@ -106,6 +106,35 @@ def test_successful_calls_from_parsed_raw_text_and_dict():
     assert extras.ok and extras.observation == "found cats" and extras.extras == {"score": 0.5, "hits": 2}
 
 
+def test_arguments_as_a_json_encoded_string():
+    as_dict = run({"name": "calculator", "arguments": '{"expression": "1+2"}'})
+    assert as_dict.ok and as_dict.observation == "3" and as_dict.arguments == {"expression": "1+2"}
+    as_text = run('<tool_call>{"name": "add", "arguments": "{\\"a\\": 40, \\"b\\": 2}"}</tool_call>')
+    assert as_text.ok and as_text.observation == "42" and as_text.arguments == {"a": 40, "b": 2}
+    # the decoded arguments are checked like any others
+    wrong_type = run({"name": "add", "arguments": '{"a": "one"}'})
+    assert_failure(wrong_type, "bad_arguments", "argument 'a' must be integer")
+
+
+@pytest.mark.parametrize(
+    "call, kind, fragment",
+    [
+        ({"name": "add", "arguments": '{"a": 1'}, "bad_json",
+         "arguments of tool call 'add' are a string that is not valid JSON"),
+        ({"name": "add", "arguments": "[1, 2]"}, "parse_error", "a JSON string holding list, not an object"),
+        ({"name": "add", "arguments": '"{\\"a\\": 1}"'}, "parse_error", "a JSON string holding str"),
+        ('<tool_call>{"name": "add", "arguments": "{a: 1}"}</tool_call>', "bad_json",
+         "a string that is not valid JSON"),
+        ('<tool_call>{"name": "add", "arguments": "7"}</tool_call>', "parse_error",
+         "a JSON string holding int"),
+    ],
+)
+def test_bad_json_encoded_arguments(call, kind, fragment):
+    result = run(call)
+    assert_failure(result, kind, fragment)
+    assert result.name == "add"
+
+
 def test_unknown_tool():
     result = run({"name": "teleport", "arguments": {}})
     assert_failure(result, "unknown_tool", "unknown tool 'teleport'", "Available tools: add, calculator")

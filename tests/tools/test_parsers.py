@@ -39,6 +39,22 @@ def test_hermes_several_calls_in_one_turn():
     assert result.text == "I will compute and search."
 
 
+def test_hermes_arguments_as_a_json_encoded_string():
+    # the OpenAI convention: "arguments" is a string holding the JSON object
+    output = (
+        '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1+2\\"}"}</tool_call>\n'
+        '<tool_call>{"name": "search", '
+        '"arguments": "{\\"query\\": \\"\u0395\u03bb\\", \\"top_k\\": 2}"}</tool_call>'
+    )
+    result = parse_hermes_tool_calls(output)
+    assert result.ok, result.errors
+    assert [(call.name, call.arguments) for call in result.tool_calls] == [
+        ("calc", {"expression": "1+2"}),
+        ("search", {"query": "Ελ", "top_k": 2}),
+    ]
+    assert result.tool_calls[0].raw == output.split("\n")[0]
+
+
 def test_hermes_plain_answer_has_no_calls():
     result = parse_hermes_tool_calls("The answer is 84.")
     assert result == ParseResult(text="The answer is 84.", tool_calls=[], errors=[])
@@ -60,9 +76,14 @@ def test_hermes_compact_json_and_text_after_calls():
         ('<tool_call>{"name": "", "arguments": {}}</tool_call>', "has no name"),
         ('<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>', "must be a JSON object, got list"),
         (
-            '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
-            "must be a JSON object, got str",
+            '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1"}</tool_call>',
+            "arguments of tool call 'f' are a string that is not valid JSON",
         ),
+        (
+            '<tool_call>{"name": "f", "arguments": "[1, 2]"}</tool_call>',
+            "arguments of tool call 'f' are a JSON string holding list, not an object",
+        ),
+        ('<tool_call>{"name": "f", "arguments": ""}</tool_call>', "a string that is not valid JSON"),
         ('<tool_call>{"name": "f"}</tool_call>', "has no arguments"),
         ('<tool_call>{"name": "f", "arguments": {}, "id": 3}</tool_call>', "unknown field(s) 'id'"),
         ('<tool_call>["f", {}]</tool_call>', "must be a JSON object with name and arguments, got list"),
