@@ -1,5 +1,6 @@
 """Rewards: the `@reward` decorator (dataset fields by parameter name) and built-in math/QA rewards
-(`math_match`, `math_verify_match` graded by math-verify, `qa_exact_match`, `qa_f1`)."""
+(`math_match`, `math_verify_match` graded by math-verify, `qa_exact_match`, `qa_f1`), and `LLMJudge`, a
+reward graded by a judge model behind any generation backend."""
 
 from agentfly_jax.rewards.decorator import (
     REWARD_REGISTRY,
@@ -16,6 +17,7 @@ from agentfly_jax.rewards.extract import (
     extract_boxed,
     extract_final_answer_line,
 )
+from agentfly_jax.rewards.judge import JudgeVerdict, LLMJudge, parse_verdict
 from agentfly_jax.rewards.math_answers import (
     grade_math_answer,
     math_answers_equal,
@@ -29,6 +31,8 @@ from agentfly_jax.rewards.qa import normalize_qa_answer, qa_exact_match, qa_f1, 
 
 __all__ = [
     "REWARD_REGISTRY",
+    "JudgeVerdict",
+    "LLMJudge",
     "Reward",
     "RewardBindingError",
     "RewardResult",
@@ -47,6 +51,7 @@ __all__ = [
     "normalize_math_answer",
     "normalize_qa_answer",
     "parse_number",
+    "parse_verdict",
     "qa_exact_match",
     "qa_f1",
     "reward",
