@@ -9,8 +9,11 @@ raise instead, and with them switched off a pathological answer (`\\boxed{(10^{1
 for ever. So the grading runs in small helper processes (`python -m agentfly_jax.rewards.math_verify`), on
 their main thread with math-verify's own timeouts on, and the calling thread waits at most
 `HARD_TIMEOUT_SECONDS` for the answer: a helper that overruns is killed (the chain scores 0.0 with the reason)
-and the next call starts a fresh one. Integer answers on both sides (every gsm_symbolic answer, most GSM8K
-ones) are compared in-process without SymPy.
+and the next call starts a fresh one. A helper's start (importing SymPy and math-verify: a second, or many on
+a busy machine) is not part of a grading's time: a new helper first says it is ready, within
+`STARTUP_TIMEOUT_SECONDS`, and only then gets its grading, so a cold start never scores a right answer 0.0.
+Integer answers on both sides (every gsm_symbolic answer, most GSM8K ones) are compared in-process without
+SymPy.
 
 Nothing raises: junk, empty answers, answers over `MAX_ANSWER_CHARS`, timeouts and crashed helpers give 0.0
 with the reason in the reward's extras (`reason`).
@@ -35,6 +38,8 @@ from agentfly_jax.rewards.extract import extract_boxed
 
 #: Wall-clock seconds one grading may take before its helper process is killed.
 HARD_TIMEOUT_SECONDS = 10.0
+#: Wall-clock seconds a new helper process may take to import math-verify and say it is ready.
+STARTUP_TIMEOUT_SECONDS = 120.0
 #: math-verify's own (signal-based, whole seconds) parsing and comparison timeouts inside a helper.
 PARSE_TIMEOUT_SECONDS = 3
 VERIFY_TIMEOUT_SECONDS = 3
@@ -61,17 +66,35 @@ class _Worker:
             cwd=_repo_root(),
         )
         self._buffer = b""
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Waits for the helper's ready line; raises RuntimeError when it does not come (kill the worker)."""
+        try:
+            reply = self._read_line(STARTUP_TIMEOUT_SECONDS)
+        except TimeoutError:
+            message = f"math-verify helper did not start within {STARTUP_TIMEOUT_SECONDS:g} s"
+            raise RuntimeError(message) from None
+        if reply != {"ready": True}:
+            raise RuntimeError(f"math-verify helper did not start: {reply!r}"[:300])
+        self.ready = True
 
     def grade(self, request: dict, timeout: float) -> dict:
         """The helper's reply, or raises TimeoutError / RuntimeError (then the worker is unusable)."""
         self.process.stdin.write((json.dumps(request) + "\n").encode())
         self.process.stdin.flush()
+        try:
+            return self._read_line(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"math-verify did not finish within {timeout:g} s") from None
+
+    def _read_line(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         fd = self.process.stdout.fileno()
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"math-verify did not finish within {timeout:g} s")
+                raise TimeoutError
             ready, _, _ = select.select([fd], [], [], left)
             if ready:
                 chunk = os.read(fd, 65536)
@@ -108,6 +131,8 @@ class _WorkerPool:
             if worker is None or worker.process.poll() is not None:
                 worker = _Worker()
             try:
+                if not worker.ready:
+                    worker.wait_ready()  # outside the grading's time limit
                 reply = worker.grade(request, timeout)
             except BaseException:
                 worker.kill()
@@ -268,6 +293,8 @@ def _serve() -> None:
     sys.stdout = sys.stderr  # stray prints must not corrupt the replies
     import math_verify  # noqa: F401 - import once, before the first request's clock starts
 
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
     for line in sys.stdin:
         try:
             reply = _grade_in_helper(json.loads(line))

@@ -107,3 +107,28 @@ def test_close_workers_then_grade_again():
     assert score("\\boxed{2/4}", "0.5")["reward"] == 1.0
     mv.close_workers()
     assert score("\\boxed{2/4}", "0.5")["reward"] == 1.0
+
+
+def test_a_helpers_start_is_not_part_of_the_grading_time(monkeypatch):
+    # a new helper says it is ready after importing math-verify, before its first grading's clock starts
+    worker = mv._Worker()
+    try:
+        worker.wait_ready()
+        assert worker.ready and worker.grade({"gold": "1/2", "prediction": "0.5", "boxed": True}, 30)["equal"]
+    finally:
+        worker.kill()
+    graded_when = []
+    grade = mv._Worker.grade
+
+    def recording_grade(self, request, timeout):
+        graded_when.append(self.ready)
+        return grade(self, request, timeout)
+
+    monkeypatch.setattr(mv._Worker, "grade", recording_grade)
+    mv.close_workers()  # the next grading starts a fresh helper
+    assert score("\\boxed{0.5}", "1/2")["reward"] == 1.0 and graded_when == [True]
+    # a helper that does not come up in time is a failed grading with the reason, not a hang
+    mv.close_workers()
+    monkeypatch.setattr(mv, "STARTUP_TIMEOUT_SECONDS", 0.001)
+    graded = mv.grade_with_math_verify("1/2", "0.5")
+    assert graded["status"] == mv.STATUS_FAILED and "did not start within 0.001 s" in graded["reason"]
