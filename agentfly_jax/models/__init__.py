@@ -1,4 +1,5 @@
 """Flax decoder models (Qwen2/Qwen2.5, Llama 3), value model, HF checkpoint I/O and sharding rules."""
+from agentfly_jax.models import lora
 from agentfly_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from agentfly_jax.models.hf_io import (
     hf_to_params,
@@ -13,5 +14,5 @@ from agentfly_jax.models.transformer import CausalLM, Decoder, ValueModel, atten
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "ModelConfig", "CausalLM", "Decoder", "ValueModel", "attention_mask",
     "init_params", "logical_axes", "load_pretrained", "load_value_model", "save_pretrained", "params_to_hf",
-    "hf_to_params", "read_hf_tensors",
+    "hf_to_params", "read_hf_tensors", "lora",
 ]

@@ -63,6 +63,10 @@ class ModelConfig:
     remat: bool = False  # recompute layer activations in the backward pass (saves memory)
     # "auto": cuDNN fused attention on GPU in bf16/fp16, else "xla" (einsum, fp32 softmax, exact in fp32)
     attention_impl: str = "auto"
+    # LoRA (models/lora.py): rank-r adapters beside the kernels of `lora_targets`, scaled by alpha / r; 0: none
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     extra: dict = dataclasses.field(default_factory=dict)  # HF config keys carried through unchanged
 
     def __post_init__(self):
@@ -79,6 +83,13 @@ class ModelConfig:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {_ROPE_TYPES}")
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'auto', 'xla' or 'cudnn'")
+        if self.lora_rank < 0 or self.lora_alpha <= 0:
+            raise ValueError(f"lora_rank must be >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
+        known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        unknown = [t for t in self.lora_targets if t not in known]
+        if unknown:
+            raise ValueError(f"lora_targets {unknown} are not projections of this decoder; known: {known}")
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
 
@@ -88,6 +99,14 @@ class ModelConfig:
 
     def replace(self, **kwargs) -> "ModelConfig":
         return dataclasses.replace(self, **kwargs)
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def lora_on(self, name: str) -> int:
+        """The adapter rank of projection `name` (0: none)."""
+        return self.lora_rank if name in self.lora_targets else 0
 
     @property
     def num_params(self) -> int:

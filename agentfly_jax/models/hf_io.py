@@ -17,6 +17,7 @@ from flax import traverse_util
 from safetensors import safe_open
 from safetensors.flax import save_file
 
+from agentfly_jax.models.lora import has_adapters, merge_lora
 from agentfly_jax.models.config import ModelConfig, as_dtype
 from agentfly_jax.models.transformer import CausalLM, ValueModel, init_params
 
@@ -183,7 +184,9 @@ def load_value_model(path: str, dtype=jnp.float32, *, param_dtype=None, seed: in
 # ------------------------------------------------------------------------------------------------ writing
 def params_to_hf(config: ModelConfig, params: dict, dtype=None, *,
                  value_model: bool = False) -> Iterator[tuple[str, jax.Array]]:
-    """Yields (hf_name, array in HF layout) for every tensor, gathered to the host, in `dtype` if given."""
+    """Yields (hf_name, array in HF layout) for every tensor, gathered to the host, in `dtype` if given.
+    LoRA adapters (models/lora.py) are merged into their kernels first: the output is a plain checkpoint."""
+    params = merge_lora(params, config.lora_scale) if has_adapters(params) else params
     flat = traverse_util.flatten_dict(params)
     for hf_name, path, shape, (_, to_hf) in _tensor_table(config, value_model):
         if path not in flat:

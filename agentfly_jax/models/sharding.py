@@ -32,6 +32,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("value_out", None),
+    ("lora", None),  # LoRA adapters' rank axis: small, replicated
     # activations
     ("act_batch", ("data", "fsdp")),
     ("act_length", None),

@@ -118,8 +118,24 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * y.astype(self.dtype)
 
 
+def _lora_delta(module: nn.Module, x, in_names: tuple, out_names: tuple, out_shape: tuple, rank: int, scale: float):
+    """scale * (x A) B for a projection from x's trailing `len(in_names)` axes to `out_shape`: adapters `lora_a`
+    [*in, r] (uniform +-1/sqrt(fan_in)) and `lora_b` [r, *out] (zeros), logical axes in_names + ("lora",) and
+    ("lora",) + out_names (see models/lora.py)."""
+    n_in = len(in_names)
+    in_shape = x.shape[-n_in:]
+    fan_in = math.prod(in_shape)
+    a_init = nn.initializers.uniform(scale=2.0 / math.sqrt(fan_in))  # [0, 2/sqrt(fan_in)), shifted below
+    lora_a = module.param("lora_a", _param_init(lambda k, s, d: a_init(k, s, d) - 1.0 / math.sqrt(fan_in),
+                                                (*in_names, "lora")), (*in_shape, rank), module.param_dtype)
+    lora_b = module.param("lora_b", _param_init(nn.initializers.zeros, ("lora", *out_names)),
+                          (rank, *out_shape), module.param_dtype)
+    low = jnp.tensordot(x.astype(module.dtype), lora_a.astype(module.dtype), axes=n_in)  # [..., r]
+    return scale * jnp.tensordot(low, lora_b.astype(module.dtype), axes=1)
+
+
 class HeadProjection(nn.Module):
-    """x [B, T, E] -> [B, T, N, D] (q/k/v), kernel [E, N, D] (+ bias [N, D]).
+    """x [B, T, E] -> [B, T, N, D] (q/k/v), kernel [E, N, D] (+ bias [N, D]; + LoRA adapters with lora_rank).
 
     Written out rather than nn.DenseGeneral: DenseGeneral initialises a flat kernel and reshapes it, which
     breaks logical sharding constraints on the kernel when axis rules are active.
@@ -131,6 +147,8 @@ class HeadProjection(nn.Module):
     head_axis: str
     dtype: Any
     param_dtype: Any
+    lora_rank: int = 0
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x):
@@ -138,6 +156,9 @@ class HeadProjection(nn.Module):
         kernel = self.param("kernel", _param_init(_KERNEL_INIT, ("embed", self.head_axis, "head_dim")),
                             shape, self.param_dtype)
         y = jnp.einsum("bte,end->btnd", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.lora_rank:
+            y = y + _lora_delta(self, x, ("embed",), (self.head_axis, "head_dim"), shape[1:], self.lora_rank,
+                                self.lora_scale)
         if self.use_bias:
             bias = self.param("bias", _param_init(nn.initializers.zeros, (self.head_axis, "head_dim")),
                               shape[1:], self.param_dtype)
@@ -146,17 +167,46 @@ class HeadProjection(nn.Module):
 
 
 class OutProjection(nn.Module):
-    """[B, T, H, D] -> [B, T, E], kernel [H, D, E]."""
+    """[B, T, H, D] -> [B, T, E], kernel [H, D, E] (+ LoRA adapters with lora_rank)."""
 
     features: int
     dtype: Any
     param_dtype: Any
+    lora_rank: int = 0
+    lora_scale: float = 0.0
 
     @nn.compact
     def __call__(self, x):
         kernel = self.param("kernel", _param_init(_KERNEL_INIT, ("heads", "head_dim", "embed")),
                             (*x.shape[-2:], self.features), self.param_dtype)
-        return jnp.einsum("btnd,nde->bte", x.astype(self.dtype), kernel.astype(self.dtype))
+        y = jnp.einsum("btnd,nde->bte", x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.lora_rank:
+            y = y + _lora_delta(self, x, ("heads", "head_dim"), ("embed",), (self.features,), self.lora_rank,
+                                self.lora_scale)
+        return y
+
+
+class Linear(nn.Module):
+    """x [..., in] -> [..., out], kernel [in, out] with logical axes `names` (nn.Dense without bias, plus LoRA
+    adapters with lora_rank)."""
+
+    features: int
+    names: tuple
+    dtype: Any
+    param_dtype: Any
+    lora_rank: int = 0
+    lora_scale: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", _param_init(_KERNEL_INIT, self.names), (x.shape[-1], self.features),
+                            self.param_dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                                (((x.ndim - 1,), (0,)), ((), ())))
+        if self.lora_rank:
+            y = y + _lora_delta(self, x, self.names[:1], self.names[1:], (self.features,), self.lora_rank,
+                                self.lora_scale)
+        return y
 
 
 class Attention(nn.Module):
@@ -168,7 +218,8 @@ class Attention(nn.Module):
         d = c.resolved_head_dim
 
         def proj(n_heads, head_axis, name):
-            return HeadProjection(n_heads, d, c.qkv_bias, head_axis, c.dtype, c.param_dtype, name=name)(x)
+            return HeadProjection(n_heads, d, c.qkv_bias, head_axis, c.dtype, c.param_dtype, c.lora_on(name),
+                                  c.lora_scale, name=name)(x)
 
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
         k = proj(c.num_kv_heads, "kv_heads", "k_proj")  # [B, T, K, D]
@@ -177,7 +228,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
         out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
-        return OutProjection(c.hidden_size, c.dtype, c.param_dtype, name="o_proj")(out)
+        return OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
+                             name="o_proj")(out)
 
 
 class MLP(nn.Module):
@@ -188,8 +240,7 @@ class MLP(nn.Module):
         c = self.config
 
         def dense(features, names, name):
-            return nn.Dense(features, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-                            kernel_init=_param_init(_KERNEL_INIT, names), name=name)
+            return Linear(features, names, c.dtype, c.param_dtype, c.lora_on(name), c.lora_scale, name=name)
 
         gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
         up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
@@ -286,6 +337,12 @@ def init_params(model: nn.Module, rng, seq_len: int = 8):
     """Random parameters (unboxed) for `model`; used for fresh models and as shape templates."""
     dummy = jnp.zeros((1, seq_len), jnp.int32)
     return nn.unbox(jax.jit(model.init)(rng, dummy))["params"]
+
+
+def init_params_shapes(model: nn.Module, seq_len: int = 8):
+    """ShapeDtypeStruct tree of `model`'s parameters (computed abstractly, no allocation)."""
+    dummy = jnp.zeros((1, seq_len), jnp.int32)
+    return nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy))["params"]
 
 
 def logical_axes(model: nn.Module, seq_len: int = 8):

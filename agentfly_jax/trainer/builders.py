@@ -23,7 +23,8 @@ from agentfly_jax.envs.manager import PoolConfig, ResourceManager
 from agentfly_jax.envs.spec import EnvSpec, load_env_spec
 from agentfly_jax.rewards.decorator import REWARD_REGISTRY, Reward
 from agentfly_jax.tools.decorator import TOOL_REGISTRY, Tool
-from agentfly_jax.models import CausalLM, ModelConfig, ValueModel, init_params, load_pretrained, save_pretrained
+from agentfly_jax.models import (CausalLM, ModelConfig, ValueModel, init_params, load_pretrained, lora,
+                                 save_pretrained)
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
@@ -189,23 +190,36 @@ def build_policy(cfg: TrainConfig, tokenizer) -> tuple[CausalLM, Any]:
     hf_path = m.pop("hf_path")
     dtype = m.pop("dtype")
     param_dtype = m.pop("param_dtype") or dtype
-    overrides = {k: m.pop(k) for k in ("remat", "attention_impl")}
+    overrides = {k: m.pop(k) for k in ("remat", "attention_impl", "lora_rank", "lora_alpha", "lora_targets")}
     if hf_path:
         model, params = load_pretrained(hf_path, dtype=dtype, param_dtype=param_dtype, **overrides)
         if model.config.vocab_size < len(tokenizer):
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab is "
                              f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+        if model.config.lora_rank:  # the checkpoint is the frozen base: fresh adapters beside it
+            params = lora.lora_init_fn(model)(params, jax.random.PRNGKey(cfg.seed + 17))
         return model, params
     m["vocab_size"] = m["vocab_size"] or len(tokenizer)
     model = CausalLM(ModelConfig(**m, dtype=dtype, param_dtype=param_dtype, **overrides))
     return model, init_params(model, jax.random.PRNGKey(cfg.seed))
 
 
+def serving_view(policy: CausalLM):
+    """(model, params -> params) for everything outside training (the sampler, vLLM weight sync, export, the
+    critic's trunk): a LoRA policy is served as the plain model with its adapters merged into the kernels."""
+    if not policy.config.lora_rank:
+        return policy, lambda params: params
+    scale = policy.config.lora_scale
+    return CausalLM(policy.config.replace(lora_rank=0)), jax.jit(lambda params: lora.merge_lora(params, scale))
+
+
 def critic_from_policy(policy: CausalLM, policy_params) -> tuple[ValueModel, Any]:
-    """A value model with the policy's trunk (copied) and a zero-initialised head."""
-    critic = ValueModel(policy.config)
+    """A value model with the policy's trunk (copied; a LoRA policy's merged) and a zero-initialised head; the
+    critic trains all of its parameters."""
+    plain, serve = serving_view(policy)
+    critic = ValueModel(plain.config)
     head = init_params(critic, jax.random.PRNGKey(0))["value_head"]
-    return critic, {"model": jax.tree.map(jnp.copy, policy_params["model"]), "value_head": head}
+    return critic, {"model": jax.tree.map(jnp.copy, serve(policy_params)["model"]), "value_head": head}
 
 
 # -------------------------------------------------------------------------------------------------- mesh

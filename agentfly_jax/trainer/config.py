@@ -100,6 +100,16 @@ class ModelSection:
     param_dtype: str | None = knob("float32", *_one_of(None, "float32", "bfloat16", "float16"))
     remat: bool = False
     attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
+    # LoRA: rank-r adapters on `lora_targets`, trained with the base frozen (0: full fine-tuning); weight sync
+    # and the exported policy carry the merged weights
+    lora_rank: int = knob(0, *NON_NEGATIVE)
+    lora_alpha: float = knob(16.0, *POSITIVE)
+    lora_targets: tuple[str, ...] = knob(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                          "down_proj"),
+                                         lambda v: len(v) > 0 and set(v) <= {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                             "gate_proj", "up_proj", "down_proj"},
+                                         "a non-empty subset of q_proj k_proj v_proj o_proj gate_proj up_proj "
+                                         "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)

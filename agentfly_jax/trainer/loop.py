@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
+from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.trainer import builders
@@ -68,6 +69,9 @@ class Run:
     writer: MetricWriter
     checkpointer: Checkpointer
     runner: asyncio.Runner
+    serving_model: Any = None  # the policy as served and exported (a LoRA policy: the plain model)
+    serve_params: Any = None  # policy params -> the serving model's params (LoRA: adapters merged)
+    trainable: Any = None  # which policy parameters are trained (LoRA: the adapters); None: all
 
 
 def _optimizer(cfg: OptimizerConfig):
@@ -98,19 +102,25 @@ def setup(config, workdir: str | None = None) -> Run:
         critic, critic_params = builders.critic_from_policy(policy, policy_params)
         critic_opt, _ = _optimizer(cfg.critic.optimizer)
     ref_params = jax.tree.map(jnp.copy, policy_params) if alg.needs_reference else None
+    trainable = lora.is_adapter if policy.config.lora_rank else None  # LoRA: only the adapters are trained
+    if trainable is not None:
+        log.info("LoRA rank %d on %s: %d adapter values trained, %d base values frozen", policy.config.lora_rank,
+                 ",".join(policy.config.lora_targets), lora.adapter_count(policy_params),
+                 sum(int(x.size) for x in jax.tree.leaves(policy_params)) - lora.adapter_count(policy_params))
     state = create_train_state(policy_params, policy_opt, critic_params=critic_params, critic_opt=critic_opt,
-                               ref_params=ref_params)
+                               ref_params=ref_params, trainable=trainable)
     shardings = state_shardings(state, mesh, policy_model=policy, policy_opt=policy_opt, critic_model=critic,
-                                critic_opt=critic_opt, rules=rules)
+                                critic_opt=critic_opt, rules=rules, trainable=trainable)
     state = jax.device_put(state, shardings)
     prepare_fn = make_prepare_fn(policy, alg, critic_model=critic)
     train_step = make_train_step(policy, alg, policy_opt, critic_model=critic, critic_opt=critic_opt,
                                  value_clip_eps=cfg.critic.value_clip_eps, value_coef=cfg.critic.value_coef,
-                                 lr_schedule=policy_schedule, state_sharding=shardings)
+                                 lr_schedule=policy_schedule, state_sharding=shardings, trainable=trainable)
 
     # --- Generation backend, environment pools & agent ----------------------------------------------
     runner = asyncio.Runner()
-    backend = builders.build_backend(cfg, policy, state.policy.params, workdir)
+    serving_model, serve_params = builders.serving_view(policy)
+    backend = builders.build_backend(cfg, serving_model, serve_params(state.policy.params), workdir)
     env_manager = None
     try:
         env_manager = builders.build_env_manager(task_setup)
@@ -129,7 +139,7 @@ def setup(config, workdir: str | None = None) -> Run:
                train_tasks=train_tasks, eval_tasks=eval_tasks, policy=policy, critic=critic, mesh=mesh, rules=rules,
                state=state, shardings=shardings, critic_opt=critic_opt, prepare_fn=prepare_fn, train_step=train_step,
                backend=backend, agent=agent, env_manager=env_manager, writer=writer, checkpointer=checkpointer,
-               runner=runner)
+               runner=runner, serving_model=serving_model, serve_params=serve_params, trainable=trainable)
 
 
 # ============================================================================================ SFT stage
@@ -158,8 +168,9 @@ def run_sft(run: Run) -> dict:
                              f"largest bucket ({longest} tokens): raise config.seq_buckets")
         stages[i] = (stage_steps, fitting)
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
-    state = create_train_state(run.state.policy.params, optimizer)
-    step_fn = make_sft_step(run.policy, optimizer, logprob_chunk=run.algorithm.logprob_chunk, lr_schedule=schedule)
+    state = create_train_state(run.state.policy.params, optimizer, trainable=run.trainable)
+    step_fn = make_sft_step(run.policy, optimizer, logprob_chunk=run.algorithm.logprob_chunk, lr_schedule=schedule,
+                            trainable=run.trainable)
     rng = np.random.default_rng(cfg.seed + 11)
     metrics, step = {}, 0
     bar = tqdm(total=sum(s for s, _ in stages), desc="sft", disable=not cfg.progress)
@@ -181,7 +192,8 @@ def run_sft(run: Run) -> dict:
     if run.state.ref_params is not None:  # the KL reference is the warm-started policy
         run.state = run.state.replace(ref_params=jax.tree.map(jnp.copy, state.policy.params))
     if run.state.critic is not None:  # the critic's trunk starts from the warm-started policy too
-        critic_params = {**run.state.critic.params, "model": jax.tree.map(jnp.copy, state.policy.params["model"])}
+        trunk = run.serve_params(state.policy.params)["model"]  # a LoRA policy's merged trunk
+        critic_params = {**run.state.critic.params, "model": jax.tree.map(jnp.copy, trunk)}
         run.state = run.state.replace(critic=init_model_state(critic_params, run.critic_opt))
     run.state = jax.device_put(run.state, run.shardings)
     return {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -361,7 +373,7 @@ def update(run: Run, batch: UpdateBatch, step: int) -> dict:
 
 def sync_weights(run: Run, version: int) -> float:
     t0 = time.perf_counter()
-    run.runner.run(run.backend.update_weights(run.state.policy.params, version))
+    run.runner.run(run.backend.update_weights(run.serve_params(run.state.policy.params), version))
     return time.perf_counter() - t0
 
 
@@ -454,8 +466,8 @@ def train(config, workdir: str | None = None) -> dict:
         # The trained policy in Hugging Face format (transformers and vLLM load it), with its tokenizer, the chat
         # template used in training and the turn's stop tokens as eos (trainer/export.py).
         final_dir = os.path.join(workdir, "final_policy")
-        export_policy(run.policy, jax.device_get(run.state.policy.params), run.tokenizer, final_dir,
-                      stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None)
+        export_policy(run.serving_model, jax.device_get(run.serve_params(run.state.policy.params)), run.tokenizer,
+                      final_dir, stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None)
         summary = {"algorithm": cfg.algorithm, "environment": cfg.env.name or cfg.task.train_path,
                    "success_before": before.get("eval/success"), "success_after": after.get("eval/success"),
                    "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"),

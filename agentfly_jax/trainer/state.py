@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.trainer.config import OptimizerConfig
 
@@ -51,33 +52,41 @@ class TrainState(flax.struct.PyTreeNode):
     ref_params: Any = None  # frozen reference policy for the KL term (None: no KL)
 
 
-def init_model_state(params, optimizer: optax.GradientTransformation) -> ModelState:
+def _optimised(params, trainable):
+    """The part of `params` the optimiser sees: all of it, or the leaves `trainable(path)` picks (LoRA)."""
+    return params if trainable is None else lora.split_trainable(params, trainable)[0]
+
+
+def init_model_state(params, optimizer: optax.GradientTransformation, trainable=None) -> ModelState:
+    """Params + optimiser state; with `trainable` (a predicate on parameter paths, e.g. `lora.is_adapter`) the
+    optimiser state covers only those leaves (the rest is frozen)."""
     # jit so that optimiser moments are created with the params' shardings (GSPMD propagates them).
-    return ModelState(params=params, opt_state=jax.jit(optimizer.init)(params))
+    return ModelState(params=params, opt_state=jax.jit(optimizer.init)(_optimised(params, trainable)))
 
 
 def create_train_state(policy_params, policy_opt, *, critic_params=None, critic_opt=None,
-                       ref_params=None) -> TrainState:
+                       ref_params=None, trainable=None) -> TrainState:
+    """`trainable` selects the policy's trained leaves (None: all); the critic trains all of its own."""
     critic = None if critic_params is None else init_model_state(critic_params, critic_opt)
-    return TrainState(step=jnp.zeros((), jnp.int32), policy=init_model_state(policy_params, policy_opt),
+    return TrainState(step=jnp.zeros((), jnp.int32), policy=init_model_state(policy_params, policy_opt, trainable),
                       critic=critic, ref_params=ref_params)
 
 
 def state_shardings(state: TrainState, mesh: Mesh, *, policy_model, policy_opt, critic_model=None,
-                    critic_opt=None, rules=shd.DEFAULT_RULES) -> TrainState:
+                    critic_opt=None, rules=shd.DEFAULT_RULES, trainable=None) -> TrainState:
     """NamedSharding tree for a TrainState: params and their optimiser moments by logical axis names;
     counters and other scalars replicated."""
     replicated = NamedSharding(mesh, P())
 
-    def model_state(ms: ModelState, model, optimizer):
+    def model_state(ms: ModelState, model, optimizer, trainable=None):
         param_sh = shd.param_shardings(model, ms.params, mesh, rules)
-        opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, ms.opt_state, param_sh,
+        opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, ms.opt_state, _optimised(param_sh, trainable),
                                        transform_non_params=lambda _: replicated)
         return ModelState(params=param_sh, opt_state=opt_sh)
 
     return TrainState(
         step=replicated,
-        policy=model_state(state.policy, policy_model, policy_opt),
+        policy=model_state(state.policy, policy_model, policy_opt, trainable),
         critic=None if state.critic is None else model_state(state.critic, critic_model, critic_opt),
         ref_params=None if state.ref_params is None else shd.param_shardings(policy_model, state.ref_params,
                                                                             mesh, rules))

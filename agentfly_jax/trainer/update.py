@@ -19,7 +19,7 @@ import optax
 
 from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
-from agentfly_jax.models import CausalLM
+from agentfly_jax.models import CausalLM, lora
 from agentfly_jax.trainer.batch import PackedRows, UpdateBatch
 from agentfly_jax.trainer.state import ModelState, TrainState
 
@@ -146,9 +146,14 @@ def _finish(acc, total_n):
     return out
 
 
-def accumulate_gradients(loss_fn: Callable, params, micro_batches):
+def accumulate_gradients(loss_fn: Callable, params, micro_batches, trainable=None):
     """Sum of gradients and combined metrics of `loss_fn(params, mb) -> (loss, metrics)` over the leading
-    micro-batch axis of `micro_batches` (a lax.scan: memory of one micro-batch)."""
+    micro-batch axis of `micro_batches` (a lax.scan: memory of one micro-batch). With `trainable` (a predicate
+    on parameter paths, e.g. LoRA's adapters) the gradients are taken, and returned, for those leaves only."""
+    if trainable is not None:
+        params, frozen = lora.split_trainable(params, trainable)
+        full_loss = loss_fn
+        loss_fn = lambda p, b: full_loss(lora.combine(p, frozen), b)  # noqa: E731
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     first = jax.tree.map(lambda x: x[0], micro_batches)
     metric_shapes = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], params, first)
@@ -166,11 +171,15 @@ def accumulate_gradients(loss_fn: Callable, params, micro_batches):
     return grads, _finish(metrics, total_n)
 
 
-def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation):
-    updates, opt_state = optimizer.update(grads, ms.opt_state, ms.params)
-    return ModelState(params=optax.apply_updates(ms.params, updates), opt_state=opt_state), {
+def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation, trainable=None):
+    """One optimiser step; with `trainable`, `grads` and the optimiser state cover those leaves only and the
+    rest of the parameters pass through unchanged (norms are of the trained leaves)."""
+    trained, frozen = (ms.params, None) if trainable is None else lora.split_trainable(ms.params, trainable)
+    updates, opt_state = optimizer.update(grads, ms.opt_state, trained)
+    new = optax.apply_updates(trained, updates)
+    return ModelState(params=new if frozen is None else lora.combine(new, frozen), opt_state=opt_state), {
         "grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates),
-        "param_norm": optax.tree.norm(ms.params)}
+        "param_norm": optax.tree.norm(trained)}
 
 
 # ------------------------------------------------------------------------------------------------- prepare
@@ -251,15 +260,16 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
 # ---------------------------------------------------------------------------------------------- the steps
 def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.GradientTransformation, *,
                     critic_model=None, critic_opt=None, value_clip_eps=0.2, value_coef=1.0, lr_schedule=None,
-                    state_sharding=None):
+                    state_sharding=None, trainable=None):
     """Returns jitted `train_step(state, rows) -> (state, metrics)` on one mini-batch of prepared PackedRows
-    [M, R, L]. The state is donated; with `state_sharding` the new state keeps that sharding."""
+    [M, R, L]. The state is donated; with `state_sharding` the new state keeps that sharding. `trainable`
+    (e.g. `lora.is_adapter`) trains only those policy parameters."""
 
     def train_step(state: TrainState, micro_batches: PackedRows):
         metrics = {}
         grads, policy_metrics = accumulate_gradients(
-            lambda p, b: policy_loss(p, b, policy_model, alg), state.policy.params, micro_batches)
-        policy, opt_metrics = _apply(state.policy, grads, policy_opt)
+            lambda p, b: policy_loss(p, b, policy_model, alg), state.policy.params, micro_batches, trainable)
+        policy, opt_metrics = _apply(state.policy, grads, policy_opt, trainable)
         metrics.update({f"policy/{k}": v for k, v in {**policy_metrics, **opt_metrics}.items()})
         if lr_schedule is not None:
             metrics["policy/learning_rate"] = lr_schedule(state.step)
@@ -278,17 +288,18 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
 
 
 def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chunk=None, lr_schedule=None,
-                  state_sharding=None):
+                  state_sharding=None, trainable=None):
     """Jitted `sft_step(state, rows [M, R, L]) -> (state, metrics)`: supervised fine-tuning on the same packed,
-    action-masked rows as RL, token-mean over the mini-batch (only the policy is trained)."""
+    action-masked rows as RL, token-mean over the mini-batch (only the policy is trained; with `trainable`,
+    only those of its parameters)."""
 
     def sft_step(state: TrainState, micro_batches: PackedRows):
         mask = micro_batches.action_mask
         weights = algorithms.aggregation_weights(mask.reshape(-1, mask.shape[-1]), "token-mean").reshape(mask.shape)
         micro_batches = micro_batches.replace(loss_weights=weights)
         grads, metrics = accumulate_gradients(lambda p, b: sft_loss(p, b, model, logprob_chunk),
-                                              state.policy.params, micro_batches)
-        policy, opt_metrics = _apply(state.policy, grads, optimizer)
+                                              state.policy.params, micro_batches, trainable)
+        policy, opt_metrics = _apply(state.policy, grads, optimizer, trainable)
         out = {f"sft/{k}": v for k, v in {**metrics, **opt_metrics}.items()}
         if lr_schedule is not None:
             out["sft/learning_rate"] = lr_schedule(state.step)

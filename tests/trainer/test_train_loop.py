@@ -39,12 +39,15 @@ def _train(workdir, *extra, wait=True, short=True):
     return json.load(open(os.path.join(workdir, "summary.json")))
 
 
-DAPO = ("--config.rl.dynamic_sampling=True", "--config.rl.overlong_buffer_len=16", "--config.rl.overlong_max_len=24")
+# GSPO with DAPO's dynamic sampling and overlong shaping, trained as LoRA adapters (SFT and RL)
+DAPO_LORA = ("--config.rl.dynamic_sampling=True", "--config.rl.overlong_buffer_len=16",
+             "--config.rl.overlong_max_len=24", "--config.model.lora_rank=8")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm,extra", [("grpo", ()), ("rloo", ()), ("reinforce_pp", ()), ("ppo", ()),
-                                             ("gspo", DAPO)], ids=["grpo", "rloo", "reinforce_pp", "ppo", "gspo_dapo"])
+                                             ("gspo", DAPO_LORA)],
+                         ids=["grpo", "rloo", "reinforce_pp", "ppo", "gspo_dapo_lora"])
 def test_quickstart_short_run(tmp_path, algorithm, extra):
     workdir = str(tmp_path / algorithm)
     summary = _train(workdir, f"--config.algorithm={algorithm}", "--config.rl.steps=2", *extra)
@@ -65,6 +68,10 @@ def test_quickstart_short_run(tmp_path, algorithm, extra):
                     "dynamic_sampling/groups_filled", "reward/overlong_penalty_mean", "reward/overlong_fraction"):
             assert [s for s, _ in scalars[tag]] == [1, 2], tag
         assert all(1 <= v <= 4 for _, v in scalars["dynamic_sampling/rounds"])
+        # LoRA: the exported policy is a plain checkpoint with the adapters merged in
+        exported = load_file(os.path.join(summary["final_policy"], "model.safetensors"))
+        assert exported and not any("lora" in name for name in exported)
+        assert "lora" not in open(os.path.join(summary["final_policy"], "config.json")).read()
     # the trained policy comes out in HF format
     assert os.path.isfile(os.path.join(summary["final_policy"], "model.safetensors"))
 
