@@ -130,7 +130,8 @@ class LLMJudge:
     stop_token_ids: where the reply ends (default: the chat template's end-of-turn token and the eos).
     timeout: seconds one grading may take before it scores 0.0.
     max_cache_entries: verdicts kept for repeated gradings.
-    name: the reward's name (in logs and results).
+    name: the reward's name (in logs and results). The reward is not put in REWARD_REGISTRY (it needs this
+      judge's backend): pass `judge.reward` itself wherever a reward is taken.
     """
 
     def __init__(
