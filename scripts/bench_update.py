@@ -57,15 +57,18 @@ def run_jax(args) -> dict:
 
     shape = SHAPES[args.shape]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    from agentfly_jax.models import lora
+
     config = ModelConfig(**shape, qkv_bias=True, family="qwen2", dtype=dtype,
                          param_dtype=jnp.float32 if args.fp32_params else dtype, remat=args.remat,
-                         attention_impl=args.attention)
+                         attention_impl=args.attention, lora_rank=args.lora_rank)
     model = CausalLM(config)
+    trainable = lora.is_adapter if args.lora_rank else None  # LoRA: adapters trained, the base frozen
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
-    state = create_train_state(jax.tree.map(jnp.copy, params), optimizer)
+    state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
-    step = make_train_step(model, alg, optimizer)
+    step = make_train_step(model, alg, optimizer, trainable=trainable)
 
     rng = np.random.default_rng(0)
     b, t = args.batch, args.seq_len
@@ -110,9 +113,16 @@ def run_jax(args) -> dict:
     one()
     compile_s = time.perf_counter() - t0
     times = _timeit(one, args.steps, args.warmup)
+    stats = jax.devices()[0].memory_stats() or {}
+    opt_values = sum(int(x.size) for x in jax.tree.leaves(holder["state"].policy.opt_state) if x.ndim > 0)
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
             "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, "mode": args.mode,
-            "segments": seg, "chunk": args.chunk, **_summary(args, times)}
+            "segments": seg, "chunk": args.chunk, "lora_rank": args.lora_rank,
+            "trained_values": lora.adapter_count(params) if args.lora_rank else sum(
+                int(x.size) for x in jax.tree.leaves(params)),
+            "optimizer_values": opt_values,
+            "peak_gib": round(stats["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in stats else None,
+            **_summary(args, times)}
 
 
 def run_torch(args) -> dict:
@@ -185,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=0,
                    help="ours: positions per fp32 logits chunk (0: whole sequence at once, fastest when it fits)")
     p.add_argument("--micro", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--lora-rank", type=int, default=0, help="ours: train rank-r LoRA adapters, the base frozen")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--impl", choices=["all", "jax", "torch"], default="all")
