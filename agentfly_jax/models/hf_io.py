@@ -186,7 +186,11 @@ def params_to_hf(config: ModelConfig, params: dict, dtype=None, *,
                  value_model: bool = False) -> Iterator[tuple[str, jax.Array]]:
     """Yields (hf_name, array in HF layout) for every tensor, gathered to the host, in `dtype` if given.
     LoRA adapters (models/lora.py) are merged into their kernels first: the output is a plain checkpoint."""
-    params = merge_lora(params, config.lora_scale) if has_adapters(params) else params
+    if has_adapters(params):
+        if not config.lora_rank:  # their scale (alpha / rank) is unknown: refuse rather than drop or misscale them
+            raise ValueError("params hold LoRA adapters but the model config has lora_rank=0: pass the LoRA model "
+                             "(its config knows alpha / rank), or merge first with models.lora.merge_lora")
+        params = merge_lora(params, config.lora_scale)
     flat = traverse_util.flatten_dict(params)
     for hf_name, path, shape, (_, to_hf) in _tensor_table(config, value_model):
         if path not in flat:

@@ -136,6 +136,9 @@ def test_export_is_a_plain_checkpoint_transformers_loads(qwen2, tmp_path):
     np.testing.assert_allclose(ref.hf_logits(hf, ids), ours, atol=1e-4, rtol=0)
     reloaded, merged = load_pretrained(out)  # and it is a plain checkpoint for us too
     assert reloaded.config.lora_rank == 0 and not lora.has_adapters(merged)
+    # adapters handed to a plain model's writer are refused, not dropped
+    with pytest.raises(ValueError, match="params hold LoRA adapters but the model config has lora_rank=0"):
+        save_pretrained(reloaded, params, str(tmp_path / "wrong"))
 
 
 def test_targets_and_rank_are_checked():
