@@ -248,12 +248,12 @@ def _eval_pass(run: Run, step: int, tasks, temperature: float, top_p: float, num
 # ============================================================================================ RL step
 def _step_tasks(run: Run, step: int, extra_round: int = 0) -> list[dict]:
     """The step's tasks: the next `tasks_per_step` of a per-epoch shuffle of the training set; an extra round of
-    dynamic sampling draws its own `tasks_per_step` at random (seeded by step and round, so a resumed run
-    repeats them)."""
+    dynamic sampling draws its own `tasks_per_step` distinct tasks at random (seeded by step and round, so a
+    resumed run repeats them)."""
     cfg = run.config
     count, n = cfg.rl.tasks_per_step, len(run.train_tasks)
-    if extra_round:
-        pick = np.random.default_rng([cfg.seed, step, 2, extra_round]).integers(0, n, count)
+    if extra_round:  # distinct tasks within the round (a task drawn twice would share its group id)
+        pick = np.random.default_rng([cfg.seed, step, 2, extra_round]).choice(n, size=count, replace=count > n)
         return [run.train_tasks[i] for i in pick]
     order = np.random.default_rng(cfg.seed * 1_000_003 + step // max(1, n))
     start = (step * count) % n

@@ -57,6 +57,7 @@ def test_dynamic_sampling_keeps_groups_with_signal_until_the_batch_is_full():
     train_on, sampled, metrics = loop.rollout(run, step=0)
     rounds = len(run.agent.runs)
     assert rounds >= 2 and metrics["dynamic_sampling/rounds"] == rounds
+    assert all(len(set(names)) == len(names) for names in run.agent.runs)  # no task twice in a round
     assert len(sampled) == rounds * 4 * 2 and metrics["dynamic_sampling/chains_sampled"] == len(sampled)
     assert metrics["dynamic_sampling/groups_kept"] + metrics["dynamic_sampling/groups_dropped"] == rounds * 4
     assert metrics["dynamic_sampling/groups_kept"] >= 4 and metrics["dynamic_sampling/groups_filled"] == 0
