@@ -110,15 +110,23 @@ def ppo_policy_loss(
     cut), dual_clip_fraction, approx_kl (mean over action tokens of the k3 estimator (r - 1) - log r of
     KL(old || new)), ratio_mean, ratio_min, ratio_max.
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (it caps the loss at dual_clip * -A), got {dual_clip}")
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = as_float_mask(action_mask)  # [B, T]
     is_action = mask > 0
     log_ratio = jnp.where(is_action, logprobs - old_logprobs, 0.0).astype(jnp.float32)  # [B, T]
-    ratio = jnp.exp(log_ratio)
     advantages = jnp.where(is_action, advantages, 0.0).astype(jnp.float32)
+    per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_eps=clip_eps,
+                                            clip_eps_high=clip_eps_high, dual_clip=dual_clip, is_weights=is_weights)
+    return aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights), metrics
 
+
+def _clipped_surrogate(log_ratio, advantages, mask, *, clip_eps, clip_eps_high, dual_clip, is_weights):
+    """The clipped objective per token, max(-A r, -A clip(r, 1 - eps, 1 + eps_high)) (dual-clipped, times the
+    IS weights), for a log-ratio and an advantage given on every action token [B, T] (per token for PPO, the
+    sequence's for GSPO) -> (per-token loss, metrics over action tokens, without gradient)."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (it caps the loss at dual_clip * -A), got {dual_clip}")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    ratio = jnp.exp(log_ratio)
     unclipped = -advantages * ratio  # [B, T]
     clipped = -advantages * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
     per_token = jnp.maximum(unclipped, clipped)
@@ -130,8 +138,6 @@ def ppo_policy_loss(
         per_token = jnp.where(dual_active, cap, per_token)
     if is_weights is not None:
         per_token = per_token * jax.lax.stop_gradient(is_weights)
-
-    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights)
     metrics = {
         "clip_fraction": _masked_mean(clip_active, mask),
         "dual_clip_fraction": _masked_mean(dual_active, mask),
@@ -140,7 +146,7 @@ def ppo_policy_loss(
         "ratio_min": _masked_extreme(ratio, mask, jnp.min, jnp.inf),
         "ratio_max": _masked_extreme(ratio, mask, jnp.max, -jnp.inf),
     }
-    return loss, jax.lax.stop_gradient(metrics)
+    return per_token, jax.lax.stop_gradient(metrics)
 
 
 def sequence_index(action_mask, segment_ids=None):
@@ -153,12 +159,11 @@ def sequence_index(action_mask, segment_ids=None):
     return row + jnp.clip(jnp.asarray(segment_ids, jnp.int32), 0, length - 1)
 
 
-def _per_sequence_mean(x, mask, index):
-    """Mean of x [B, T] over each sequence's action tokens, broadcast back to its tokens [B, T]."""
-    n = index.size
+def _per_sequence_mean(x, mask, index, count):
+    """Mean of x [B, T] over each sequence's action tokens (`count` [B*T]: action tokens per sequence index),
+    broadcast back to its tokens [B, T]."""
     flat = index.reshape(-1)
-    total = jax.ops.segment_sum(jnp.where(mask > 0, x, 0.0).reshape(-1), flat, num_segments=n)
-    count = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=n)
+    total = jax.ops.segment_sum(jnp.where(mask > 0, x, 0.0).reshape(-1), flat, num_segments=index.size)
     return (total / jnp.maximum(count, 1.0))[flat].reshape(x.shape)
 
 
@@ -195,47 +200,22 @@ def gspo_policy_loss(
     whose sequence's clipped term is active): clip_fraction, dual_clip_fraction, approx_kl (k3 of the
     sequence log-ratio), ratio_mean/min/max (the sequence ratios).
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (it caps the loss at dual_clip * -A), got {dual_clip}")
-    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = as_float_mask(action_mask)  # [B, T]
     is_action = mask > 0
     index = sequence_index(mask, segment_ids)
+    flat = index.reshape(-1)
+    count = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=index.size)  # action tokens per sequence
     token_log_ratio = jnp.where(is_action, logprobs - old_logprobs, 0.0).astype(jnp.float32)
-    log_ratio = _per_sequence_mean(token_log_ratio, mask, index)  # [B, T], the sequence's on each token
-    ratio = jnp.exp(log_ratio)
-    advantage = _per_sequence_mean(jnp.where(is_action, advantages, 0.0).astype(jnp.float32), mask, index)
-
-    unclipped = -advantage * ratio
-    clipped = -advantage * jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps_high)
-    per_token = jnp.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    dual_active = jnp.zeros_like(clip_active)
-    if dual_clip is not None:
-        cap = -advantage * dual_clip
-        dual_active = (advantage < 0) & (per_token > cap)
-        per_token = jnp.where(dual_active, cap, per_token)
-    if is_weights is not None:
-        per_token = per_token * jax.lax.stop_gradient(is_weights)
-
+    log_ratio = _per_sequence_mean(token_log_ratio, mask, index, count)  # [B, T], the sequence's on each token
+    advantage = _per_sequence_mean(jnp.where(is_action, advantages, 0.0).astype(jnp.float32), mask, index, count)
+    per_token, metrics = _clipped_surrogate(log_ratio, advantage, mask, clip_eps=clip_eps,
+                                            clip_eps_high=clip_eps_high, dual_clip=dual_clip, is_weights=is_weights)
     if weights is None and segment_ids is not None:  # packed rows: aggregate over segments, not rows
         if agg != "seq-mean-token-mean":
             raise ValueError(f"gspo_policy_loss on packed rows (segment_ids) aggregates over segments only with "
                              f"agg='seq-mean-token-mean', got {agg!r}: pass `weights` computed on the unpacked view")
-        flat = index.reshape(-1)
-        count = jax.ops.segment_sum(mask.reshape(-1), flat, num_segments=index.size)
-        sequences = jnp.sum(count > 0)
-        weights = mask / jnp.maximum(count[flat].reshape(mask.shape) * sequences, 1.0)
-    loss = aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights)
-    metrics = {
-        "clip_fraction": _masked_mean(clip_active, mask),
-        "dual_clip_fraction": _masked_mean(dual_active, mask),
-        "approx_kl": _masked_mean(ratio - 1.0 - log_ratio, mask),
-        "ratio_mean": _masked_mean(ratio, mask),
-        "ratio_min": _masked_extreme(ratio, mask, jnp.min, jnp.inf),
-        "ratio_max": _masked_extreme(ratio, mask, jnp.max, -jnp.inf),
-    }
-    return loss, jax.lax.stop_gradient(metrics)
+        weights = mask / jnp.maximum(count[flat].reshape(mask.shape) * jnp.sum(count > 0), 1.0)
+    return aggregate_loss(per_token, mask, agg, norm_len=norm_len, weights=weights), metrics
 
 
 # ------------------------------------------------------------------------------------------------- value loss
