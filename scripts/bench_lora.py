@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentfly_jax.models.shapes import SHAPES  # noqa: E402
+from scripts.bench_update import side_result  # noqa: E402
 
 BENCH_UPDATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_update.py")
 
@@ -33,12 +33,7 @@ def measured(shape: str, rank: int, args) -> dict:
            "--warmup", str(args.warmup), "--chunk", str(args.chunk), "--lora-rank", str(rank), "--fp32-params"]
     if args.remat:
         cmd.append("--remat")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{shape} lora_rank={rank} failed (exit {proc.returncode})")
-    return json.loads(lines[-1][len("RESULT "):])
+    return side_result(cmd, f"{shape} lora_rank={rank}")
 
 
 def planned(shape: str, rank: int, args) -> dict:
@@ -83,6 +78,10 @@ def planned(shape: str, rank: int, args) -> dict:
                                     - memory.alias_size_in_bytes + memory.temp_size_in_bytes)}
 
 
+def _figures(result: dict, memory_key: str) -> str:
+    return f"{result.get(memory_key)} GiB" + (f", {result['step_ms']} ms" if "step_ms" in result else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b")
@@ -114,12 +113,8 @@ def main(argv=None) -> int:
         if not args.compile_only:
             ratios["step_time"] = adapters["step_ms"] / full["step_ms"]
         text = ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
-
-        def figures(r):
-            return f"{r.get(memory_key)} GiB" + ("" if args.compile_only else f", {r['step_ms']} ms")
-
         print(f"SUMMARY {shape} on {full['device']}: LoRA rank {args.rank} / full fine-tuning: {text} "
-              f"(full {figures(full)}; LoRA {figures(adapters)})")
+              f"(full {_figures(full, memory_key)}; LoRA {_figures(adapters, memory_key)})")
         if args.out:
             with open(args.out, "a") as fh:
                 fh.write(json.dumps({"full": full, "lora": adapters, "ratios": ratios}) + "\n")

@@ -180,6 +180,17 @@ def _mfu(result: dict) -> float | None:
     return result["tokens_per_s"] * result["flops_per_token"] / peak
 
 
+def side_result(cmd: list[str], what: str) -> dict:
+    """Runs one benchmark side (`--impl jax|torch`) in its own process -> its last `RESULT` line as a dict; exits
+    with its output when it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"{what} failed (exit {proc.returncode})")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
@@ -207,16 +218,9 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
-    results = []
-    for impl in ("jax", "torch"):
-        cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
-               "--impl", impl]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-            raise SystemExit(f"benchmark side {impl!r} failed (exit {proc.returncode})")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+    results = [side_result([sys.executable, os.path.abspath(__file__),
+                            *(argv if argv is not None else sys.argv[1:]), "--impl", impl], f"benchmark side {impl!r}")
+               for impl in ("jax", "torch")]
     ours, peer = results
     for r in results:
         r["mfu"] = _mfu(r)
