@@ -104,6 +104,7 @@ class RunData:
     scalars: dict[str, Series]
     source: str  # "jsonl" or "tensorboard"
     summary: dict | None = None
+    config: dict | None = None  # the run's config.json (written at its start: there for a run cut short too)
 
 
 def _float(value) -> float:
@@ -158,7 +159,9 @@ def load_run(directory: str | os.PathLike, name: str | None = None) -> RunData:
         raise FileNotFoundError(f"{directory}: no metrics.jsonl and no TensorBoard scalars found")
     summary_path = workdir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    return RunData(name or directory.resolve().name, directory, scalars, source, summary)
+    config_path = workdir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    return RunData(name or directory.resolve().name, directory, scalars, source, summary, config)
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
@@ -254,11 +257,18 @@ def table(runs: Sequence[RunData]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for run in runs:
-        summary = run.summary or {}
+        summary, config = run.summary or {}, run.config or {}
         evals = run.scalars.get("eval/success") or run.scalars.get("eval/reward") or []
-        steps = summary.get("steps", evals[-1][0] if evals else "—")
+        algorithm = summary.get("algorithm") or config.get("algorithm") or "—"
+        environment = (summary.get("environment") or (config.get("env") or {}).get("name")
+                       or (config.get("task") or {}).get("train_path") or "—")
+        if "steps" in summary:
+            steps = summary["steps"]
+        else:  # no summary: the run stopped before its end; say how far its last eval got
+            planned = (config.get("rl") or {}).get("steps")
+            steps = f"{evals[-1][0] if evals else 0} of {planned}, cut" if planned else (evals[-1][0] if evals else "—")
         lines.append(
-            f"| {run.name} | {summary.get('algorithm', '—')} | {summary.get('environment', '—')} | {steps} | "
+            f"| {run.name} | {algorithm} | {environment} | {steps} | "
             f"{_cell(before_after(run, 'eval/success'))} | {_cell(before_after(run, 'eval/reward'))} |"
         )
     return "\n".join(lines)

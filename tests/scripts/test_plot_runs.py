@@ -139,6 +139,23 @@ def test_table_numbers_are_the_logged_numbers(runs, capsys):
         assert float(success.split(" → ")[1].split()[0]) == round(summary["success_after"], 3)
 
 
+def test_a_run_cut_before_its_summary_is_named_from_its_config(runs, capsys):
+    """A run stopped mid-way (no summary.json) still gets its algorithm and environment from the config.json the
+    trainer wrote at its start, and its steps cell says how far its last eval got of the planned steps."""
+    root, logged = runs
+    (root / "run_ppo" / "summary.json").unlink()
+    (root / "run_ppo" / "config.json").write_text(json.dumps(
+        {"algorithm": "ppo", "env": {"name": "webshop"}, "rl": {"steps": 40}}))
+    (root / "run_grpo" / "summary.json").unlink()  # neither summary nor config: dashes, last eval step
+    assert plot_runs.main([str(root / "run_ppo"), str(root / "run_grpo"), "--table"]) == 0
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| run_")}
+    assert rows["run_ppo"][1:4] == ["ppo", "webshop", f"{STEPS} of 40, cut"]
+    assert rows["run_grpo"][1:4] == ["—", "—", str(STEPS)]
+    after = logged["run_ppo"]["eval/success"][-1][1]
+    assert rows["run_ppo"][4].split(" → ")[1].startswith(f"{after:.3f}")
+
+
 def test_jsonl_and_event_files_agree_and_resumed_steps_keep_their_last_value(runs):
     root, logged = runs
     from_jsonl = plot_runs.load_run(root / "run_grpo")
