@@ -115,6 +115,9 @@ async def close_sandboxes() -> None:
 
 @atexit.register
 def _remove_containers_at_exit() -> None:
+    """Removes the default Docker sandboxes' containers at a normal exit. Exits that skip this (kill -9, a
+    crash, os._exit) and sandboxes made without get_sandbox are covered by the containers themselves: each
+    one's PID 1 exits when the process that created it is gone, and Docker then removes it."""
     with _lock:
         sandboxes = list(_docker.values())
         _docker.clear()

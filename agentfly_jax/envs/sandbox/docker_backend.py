@@ -1,15 +1,24 @@
 """Docker sandbox backend: a pool of long-lived, locked-down containers (the production backend).
 
 Containers come from the image built by scripts/build_sandbox_image.sh (python3 only, no shell) and run with
-no network (`network_mode=none`), a read-only root, a size-limited /tmp tmpfs, every capability dropped,
-`no-new-privileges`, uid 65534, and memory / pids / CPU limits. PID 1 of each container is a tiny reaper
-(inside.py, mode "keeper"); code runs through `docker exec`:
+no network (`network_mode=none`), a read-only root, size-limited /tmp and /dev/shm tmpfs, a private IPC
+namespace, every capability dropped but SETUID/SETGID (which only root processes hold: the host's wrapper
+and cleaner), `no-new-privileges`, and memory / pids / CPU limits. Three uids take part:
 
-- one-shot runs (`run`) reuse warm containers: the in-container wrapper kills every process it left and
-  empties /tmp before the container goes back to the pool; after a timeout, an output flood, a cancellation
-  or any failure the container is destroyed instead (an exec cannot be killed through the API) and the pool
-  replaces it;
-- sessions (`open_session`) take a container for their whole life and destroy it at the end.
+- PID 1 (inside.py, mode "keeper") drops from root to KEEPER_UID at its start: it reaps orphans, and exits when its stdin reaches
+  EOF. The host attaches to that stdin when it creates the container (StdinOnce) and never writes to it, so
+  when the owning process dies, even by SIGKILL, the stream closes, PID 1 exits and Docker removes the
+  container (AutoRemove): no container outlives its trainer;
+- user code always runs as RUN_UID (65534), which can neither signal nor trace PID 1 or the root wrapper;
+- the one-shot wrapper and the cleaner run as root through `docker exec` and use only SETUID/SETGID.
+
+One-shot runs (`run`) reuse warm containers. After each run the wrapper kills every process of RUN_UID;
+then, before the container goes back to the pool, a clean (inside.py, mode "clean") kills whatever is left,
+empties /tmp, /dev/shm and /dev/mqueue at any depth and mode, removes SysV IPC objects and verifies all of
+it. A clean that fails or cannot verify itself retires the container (destroyed and replaced, counted in
+`clean_failures` and logged). After a timeout, an output flood, a cancellation or any failure the
+container is destroyed instead (an exec cannot be killed through the API) and the pool replaces it.
+Sessions (`open_session`) take a container for their whole life and destroy it at the end.
 
 The pool is a ResourceManager pool ("containers"): warm size, max size, idle reaping, waiting with a timeout
 when all containers are busy, and metrics, all from the manager. Exec output is read over a hijacked HTTP
@@ -22,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import json
 import logging
 import os
 import socket
@@ -46,7 +56,10 @@ log = logging.getLogger(__name__)
 DEFAULT_IMAGE = os.environ.get("AGENTFLY_SANDBOX_IMAGE", "agentfly-jax-sandbox:1")
 LABEL = "org.agentfly-jax.sandbox"
 OWNER_LABEL = "org.agentfly-jax.owner"
-USER = "65534:65534"
+RUN_UID = 65534
+USER = f"{RUN_UID}:{RUN_UID}"  # user code (one-shot children, sessions)
+KEEPER_UID = 65533  # PID 1, after it dropped root
+ROOT_USER = "0:0"  # the one-shot wrapper and the cleaner (capabilities SETUID/SETGID only)
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 MAX_CODE_BYTES = 1 << 20
 _ARG_CHARS = 30_000  # one argv string must stay under the kernel's 128 KiB (4 bytes per char at worst)
@@ -61,6 +74,63 @@ def docker_address() -> str:
     return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 
 
+#: Attached stdin streams of this process's containers (see `_attach_keepalive`).
+_KEEPALIVES: set[socket.socket] = set()
+
+
+def _close_inherited_keepalives() -> None:
+    """In a child made by fork: drops its copies of the keep-alive streams, so the containers still die
+    with the process that owns them, not with the last of its forked children."""
+    for sock in list(_KEEPALIVES):
+        sock.close()
+    _KEEPALIVES.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_keepalives)
+
+
+def _attach_keepalive(address: str, api_version: str, container_id: str) -> socket.socket:
+    """Attaches to a created container's stdin and returns the open stream (a blocking socket).
+
+    The container is created with StdinOnce, so Docker closes its PID 1's stdin when this stream closes,
+    which happens when this process closes it or dies in any way; the keeper then exits."""
+    url = urllib.parse.urlparse(address)
+    if url.scheme == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target = url.path
+    elif url.scheme in ("tcp", "http"):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        target = (url.hostname, url.port or 2375)
+    else:
+        raise SandboxUnavailable(f"Docker address {address!r} is not supported; use unix:// or tcp://")
+    try:
+        sock.settimeout(60)
+        sock.connect(target)
+        sock.sendall(
+            (
+                f"POST /v{api_version}/containers/{container_id}/attach?stream=1&stdin=1 HTTP/1.1\r\n"
+                f"Host: docker\r\nConnection: Upgrade\r\nUpgrade: tcp\r\nContent-Length: 0\r\n\r\n"
+            ).encode()
+        )
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = sock.recv(4096)
+            if not data or len(head) > 65536:
+                raise SandboxError(
+                    f"docker attach to {container_id[:12]}: no complete answer ({head[:200]!r})"
+                )
+            head += data
+        status = head.split(b"\r\n", 1)[0].split()
+        if len(status) < 2 or status[1] not in (b"101", b"200"):
+            raise SandboxError(f"docker attach to {container_id[:12]} failed: {head[:500]!r}")
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    _KEEPALIVES.add(sock)
+    return sock
+
+
 class _Container:
     """A pooled container, as a ResourceManager instance; `retired` ones are destroyed on release."""
 
@@ -68,6 +138,7 @@ class _Container:
         self.sandbox = sandbox
         self.id = container_id
         self.retired = False
+        self.runs = 0
 
     async def health(self) -> bool:
         """True while the container runs (its keeper may have died, e.g. killed for memory)."""
@@ -78,7 +149,10 @@ class _Container:
         return bool(state["State"].get("Running"))
 
     async def reset(self) -> None:
-        """Nothing to do: the one-shot wrapper cleans up, and session containers are never reused."""
+        """Cleans the container for the next run (session containers are retired, never reset); raises
+        SandboxError when the clean fails, so that the pool destroys and replaces the container."""
+        if self.runs:
+            await self.sandbox._clean(self)
 
     async def close(self) -> None:
         await self.sandbox._remove(self.id)
@@ -217,6 +291,7 @@ class DockerSandbox:
     image: the sandbox image (scripts/build_sandbox_image.sh builds the default).
     warm / max_containers: containers kept ready / at most alive; idle ones above `warm` go after
       idle_timeout seconds. acquire_timeout: how long a run waits for a container when all are busy.
+    clean_timeout: seconds the clean between two runs may take; a slower clean retires the container.
     """
 
     def __init__(
@@ -229,8 +304,15 @@ class DockerSandbox:
         max_containers: int = 8,
         acquire_timeout: float = 120.0,
         idle_timeout: float = 300.0,
+        clean_timeout: float = 20.0,
     ):
+        if not clean_timeout > 0:
+            raise ValueError(f"clean_timeout={clean_timeout!r}; expected positive seconds")
         self.limits = limits or SandboxLimits()
+        self.clean_timeout = clean_timeout
+        #: Cleans between runs that failed (their containers were destroyed and replaced).
+        self.clean_failures = 0
+        self.cleans = 0
         self.image = image
         self.base_url = base_url or docker_address()
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -240,6 +322,7 @@ class DockerSandbox:
         self._api_version = None
         self._ready_lock: asyncio.Lock | None = None
         self._live: set[str] = set()
+        self._keepalive: dict[str, socket.socket] = {}  # container id -> attached stdin of its PID 1
         self._background: set[asyncio.Task] = set()
         self._closed = False
         self._max_containers = max_containers
@@ -253,7 +336,8 @@ class DockerSandbox:
                     "acquire_timeout": acquire_timeout,
                     "create_timeout": 120.0,
                     "close_timeout": 60.0,
-                    "reset_on_release": False,
+                    "reset_timeout": clean_timeout + 30.0,
+                    "reset_on_release": True,
                 }
             }
         )
@@ -303,9 +387,11 @@ class DockerSandbox:
     @staticmethod
     def _remove_stale(client) -> None:
         """Removes sandbox containers left by dead processes of this host (e.g. after a crash)."""
+        import docker
+
         host = socket.gethostname()
-        for container in client.containers.list(all=True, filters={"label": LABEL}):
-            owner_host, _, pid = container.labels.get(OWNER_LABEL, "").rpartition(":")
+        for container in client.api.containers(all=True, filters={"label": LABEL}):
+            owner_host, _, pid = (container.get("Labels") or {}).get(OWNER_LABEL, "").rpartition(":")
             if owner_host != host or not pid.isdigit():
                 continue
             try:
@@ -315,8 +401,14 @@ class DockerSandbox:
                 pass
             except PermissionError:
                 continue
-            log.warning("removing sandbox container %s left by dead process %s", container.short_id, pid)
-            container.remove(force=True)
+            log.warning("removing sandbox container %s left by dead process %s", container["Id"][:12], pid)
+            try:
+                client.api.remove_container(container["Id"], force=True)
+            except docker.errors.NotFound:
+                pass  # gone meanwhile (its keeper exited and Docker removed it)
+            except docker.errors.APIError as e:
+                if e.status_code != 409:  # 409: a removal is already under way
+                    raise
 
     async def _new_container(self) -> _Container:
         limits = self.limits
@@ -328,7 +420,9 @@ class DockerSandbox:
             host_config = api.create_host_config(
                 network_mode="none",
                 read_only=True,
+                auto_remove=True,
                 cap_drop=["ALL"],
+                cap_add=["SETUID", "SETGID"],
                 security_opt=["no-new-privileges"],
                 mem_limit=2 * limits.memory_bytes + limits.tmp_bytes,
                 memswap_limit=2 * limits.memory_bytes + limits.tmp_bytes,
@@ -345,17 +439,24 @@ class DockerSandbox:
             )
             container = api.create_container(
                 self.image,
-                command=["python3", "-I", "-c", INSIDE_SOURCE, "keeper"],
-                user=USER,
+                command=["python3", "-I", "-c", INSIDE_SOURCE, "keeper", str(KEEPER_UID)],
+                # Root only to start: Docker gives an exec capabilities only when the container's user is
+                # root; the keeper drops to KEEPER_UID at once, user code always runs as RUN_UID.
+                user=ROOT_USER,
                 working_dir="/tmp",
                 environment=ENVIRONMENT,
                 network_disabled=True,
+                stdin_open=True,
+                detach=False,  # with stdin_open: StdinOnce, the keeper's stdin closes when our stream does
                 host_config=host_config,
                 labels={LABEL: "1", OWNER_LABEL: _owner()},
             )
             cid = container["Id"]
             self._live.add(cid)
             try:
+                # Attached before the start, held until removal, never written: its EOF (this process
+                # closing it, or dying) ends PID 1 and with it the container.
+                self._keepalive[cid] = _attach_keepalive(self.base_url, self._api_version, cid)
                 api.start(cid)
             except Exception:
                 self._remove_sync(api, cid)
@@ -380,6 +481,10 @@ class DockerSandbox:
                     raise
                 time.sleep(0.1)
         self._live.discard(cid)
+        keepalive = self._keepalive.pop(cid, None)
+        if keepalive is not None:
+            _KEEPALIVES.discard(keepalive)
+            keepalive.close()
 
     async def _remove(self, cid: str) -> None:
         await self._call(self._remove_sync, self._client.api, cid)
@@ -392,7 +497,9 @@ class DockerSandbox:
             await asyncio.sleep(0.02)
         return None
 
-    async def _exec(self, container: _Container, command: list[str], stdin: bool) -> tuple[str, _ExecStream]:
+    async def _exec(
+        self, container: _Container, command: list[str], stdin: bool, user: str = USER
+    ) -> tuple[str, _ExecStream]:
         created = await self._call(
             self._client.api.exec_create,
             container.id,
@@ -400,7 +507,7 @@ class DockerSandbox:
             stdin=stdin,
             stdout=True,
             stderr=True,
-            user=USER,
+            user=user,
             workdir="/tmp",
             environment=ENVIRONMENT,
         )
@@ -414,6 +521,37 @@ class DockerSandbox:
 
     def _acquire(self):
         return self.pool.acquire("containers")
+
+    async def _clean(self, container: _Container) -> None:
+        """Runs the in-container clean (see the module docstring); raises SandboxError unless it verified
+        that nothing of the previous run is left. Failures are counted and logged."""
+        command = ["python3", "-I", "-c", INSIDE_SOURCE, "clean", str(RUN_UID), str(self.clean_timeout)]
+        out, err = CappedBuffer(1 << 16), CappedBuffer(1 << 16)
+        self.cleans += 1
+        try:
+            exec_id, stream = await self._exec(container, command, stdin=False, user=ROOT_USER)
+            try:
+                await asyncio.wait_for(self._pump(stream, out, err), self.clean_timeout + 10.0)
+            finally:
+                stream.close()
+            code = await self._exit_code(exec_id)
+            try:
+                verdict = json.loads(out.text().strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                verdict = {"ok": False, "problems": [f"no verdict; stderr: {err.text().strip()[-500:]!r}"]}
+            if code != 0 or verdict.get("ok") is not True:
+                raise SandboxError(f"exit status {code}: {'; '.join(verdict.get('problems') or [])}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure means the container cannot be trusted
+            self.clean_failures += 1
+            log.warning(
+                "docker sandbox: clean of %r failed (%s); retiring it (%d clean failures so far)",
+                container,
+                e,
+                self.clean_failures,
+            )
+            raise SandboxError(f"clean of {container!r} failed: {e}") from e
 
     # ---------------------------------------------------------------------------------------------- runs
 
@@ -432,6 +570,7 @@ class DockerSandbox:
             "-c",
             INSIDE_SOURCE,
             "oneshot",
+            str(RUN_UID),
             self.limits.rlimits_json(nproc=False, cpu_seconds=timeout + 1),
             str(timeout + 1.0),
             *chunks,
@@ -443,8 +582,9 @@ class DockerSandbox:
         try:
             async with self._acquire() as container:
                 start = time.monotonic()
+                container.runs += 1
                 try:
-                    exec_id, stream = await self._exec(container, command, stdin=False)
+                    exec_id, stream = await self._exec(container, command, stdin=False, user=ROOT_USER)
                     try:
                         await asyncio.wait_for(self._pump(stream, out, err), timeout)
                     except asyncio.TimeoutError:
@@ -543,9 +683,10 @@ def sandbox_containers(base_url: str | None = None) -> list[dict]:
 
     client = docker.DockerClient(base_url=base_url or docker_address(), version="auto")
     try:
+        # One listing call (not one inspect per container, which fails for a container removed meanwhile).
         return [
-            {"id": c.id, "owner": c.labels.get(OWNER_LABEL), "status": c.status}
-            for c in client.containers.list(all=True, filters={"label": LABEL})
+            {"id": c["Id"], "owner": (c.get("Labels") or {}).get(OWNER_LABEL), "status": c.get("State")}
+            for c in client.api.containers(all=True, filters={"label": LABEL})
         ]
     finally:
         client.close()

@@ -11,13 +11,22 @@ inside the sandbox. Modes:
       user prints can corrupt the protocol. A cell that runs past its timeout is interrupted with
       CellTimeout (state is kept); one that ignores the interrupt is killed by the host.
 
-  oneshot LIMITS_JSON TIMEOUT CODE_CHUNK...
-      Runs the joined code chunks with `python3 -I -` in a child process under the limits, then kills
-      every other process of this uid and empties /tmp, so a pooled container is clean for the next run.
+  oneshot RUN_UID LIMITS_JSON TIMEOUT CODE_CHUNK...
+      Started as root (docker exec, capabilities SETUID/SETGID only). Runs the joined code chunks with
+      `python3 -I -` in a child process that has dropped to RUN_UID (uid and gid) under the limits, so the
+      code can neither trace nor signal this wrapper or PID 1; then kills every process of RUN_UID.
       Exits with the child's exit code (128 + signal number when it was killed by a signal).
 
-  keeper
-      PID 1 of a pooled container: reaps orphans and otherwise sleeps.
+  clean RUN_UID DEADLINE_S
+      Started as root between two runs in a pooled container: kills every process but PID 1 and itself,
+      empties every writable place (/tmp, /dev/shm, /dev/mqueue, at any depth and whatever the modes),
+      removes SysV shared memory, semaphores and message queues, then checks that all of it is gone. Prints
+      one JSON line {"ok", "problems", "removed"}; the host retires the container unless "ok" is true.
+
+  keeper KEEPER_UID
+      PID 1 of a pooled container. Started as root, it drops to KEEPER_UID (no capabilities left), reaps
+      orphans, and exits (stopping the container, which Docker then removes) when its stdin reaches EOF:
+      the host holds the only attached stream to that stdin, so the container dies with its owner process.
 """
 
 import ast
@@ -159,12 +168,33 @@ def session(limits):
         replies.flush()
 
 
-def oneshot(limits, timeout, code):
-    import shutil
+def _drop_to(uid, limits):
+    """In the run's child, before exec: the limits, then no groups and RUN_UID as every uid and gid."""
+    apply_limits(limits)
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+
+def _kill_all_as(uid):
+    """SIGKILLs every process the run uid can signal, in one kill(-1) (atomic against forks).
+
+    Only the effective uid changes: the real and saved uids stay 0, so processes of the run uid can
+    neither signal nor trace this process meanwhile."""
+    os.seteuid(uid)
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.seteuid(0)
+
+
+def oneshot(run_uid, limits, timeout, code):
     import subprocess
 
     child = subprocess.Popen(
-        [sys.executable, "-I", "-"], stdin=subprocess.PIPE, preexec_fn=lambda: apply_limits(limits)
+        [sys.executable, "-I", "-"], stdin=subprocess.PIPE, preexec_fn=lambda: _drop_to(run_uid, limits)
     )
     try:
         child.stdin.write(code.encode("utf-8", "surrogatepass"))
@@ -175,31 +205,180 @@ def oneshot(limits, timeout, code):
         code = child.wait(timeout)
     except subprocess.TimeoutExpired:
         code = -signal.SIGKILL
-    # Everything else this uid runs in the container (leftover children, daemons) dies now.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for name in os.listdir("/tmp"):
-        path = os.path.join("/tmp", name)
-        try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-        except OSError:
-            pass
+    # Everything the run started (children, daemons) dies now; the host's clean then checks it.
+    _kill_all_as(run_uid)
     sys.exit(128 - code if code < 0 else code)
 
 
-def keeper():
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+WRITABLE_DIRS = ("/tmp", "/dev/shm", "/dev/mqueue")
+_IPC_RMID = 0
+
+
+def _other_processes():
+    """Pids in this container other than PID 1 and this process (zombies included)."""
+    me = os.getpid()
+    return sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me))
+
+
+def _wipe(top, deadline):
+    """Removes everything under directory `top` (not `top` itself); returns the number of entries removed.
+
+    Runs with the run uid as effective uid, which owns every entry: a directory is first made 0700 (so
+    chmod 000 / 500 trees open), its subdirectories are moved up to `top` (so depth costs neither
+    recursion, nor open descriptors, nor path length), its other entries are unlinked, then it is removed."""
+    from stat import S_ISDIR
+
+    removed = 0
+    top_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        names = set(os.listdir(top_fd))
+        queue = sorted(names)
+        serial = 0
+        while queue:
+            if time.monotonic() > deadline:
+                raise TimeoutError("%s: %d entries still to remove at the deadline" % (top, len(queue)))
+            name = queue.pop()
+            st = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+            if not S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=top_fd)
+                names.discard(name)
+                removed += 1
+                continue
+            os.chmod(name, 0o700, dir_fd=top_fd)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top_fd)
+            try:
+                for entry in os.listdir(fd):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("%s: entries still to remove at the deadline" % top)
+                    if S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
+                        os.chmod(entry, 0o700, dir_fd=fd)  # moving a directory rewrites its ".."
+                        while ".clean-%d" % serial in names:
+                            serial += 1
+                        hoisted = ".clean-%d" % serial
+                        os.rename(entry, hoisted, src_dir_fd=fd, dst_dir_fd=top_fd)
+                        names.add(hoisted)
+                        queue.append(hoisted)
+                    else:
+                        os.unlink(entry, dir_fd=fd)
+                        removed += 1
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=top_fd)
+            names.discard(name)
+            removed += 1
+    finally:
+        os.close(top_fd)
+    return removed
+
+
+def _sysv_ids(kind):
+    """Ids of the SysV IPC objects of `kind` ("shm", "sem", "msg") in this IPC namespace."""
+    with open("/proc/sysvipc/" + kind) as f:
+        lines = f.read().splitlines()[1:]
+    return [int(line.split()[1]) for line in lines if line.strip()]
+
+
+def _remove_sysv():
+    """Marks every SysV shm segment, semaphore set and message queue for removal; returns their count."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {
+        "shm": lambda i: libc.shmctl(i, _IPC_RMID, None),
+        "sem": lambda i: libc.semctl(i, 0, _IPC_RMID),
+        "msg": lambda i: libc.msgctl(i, _IPC_RMID, None),
+    }
+    count = 0
+    for kind, remove in removers.items():
+        for ipc_id in _sysv_ids(kind):
+            if remove(ipc_id) != 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, "%s %d: %s" % (kind, ipc_id, os.strerror(errno)))
+            count += 1
+    return count
+
+
+def clean(run_uid, deadline_s):
+    deadline = time.monotonic() + deadline_s
+    problems = []
+    removed = {}
+    os.setegid(run_uid)
+    # Processes: SIGKILL everything until only PID 1 (which reaps the dead) and this process are left.
     while True:
+        _kill_all_as(run_uid)
+        left = _other_processes()
+        if not left:
+            break
+        if time.monotonic() > deadline:
+            problems.append("processes still running at the deadline: %s" % left)
+            break
+        time.sleep(0.01)
+    os.seteuid(run_uid)  # every entry and IPC object below belongs to the run uid
+    if not problems:
+        for top in WRITABLE_DIRS:
+            if not os.path.isdir(top):
+                continue
+            try:
+                removed[top] = _wipe(top, deadline)
+            except Exception as e:  # noqa: BLE001 - reported; the verification below decides
+                problems.append("%s: %r" % (top, e))
         try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            time.sleep(0.5)
+            removed["sysv_ipc"] = _remove_sysv()
+        except Exception as e:  # noqa: BLE001 - reported; the verification below decides
+            problems.append("SysV IPC: %r" % (e,))
+    # Verify from scratch: nothing may remain, whatever the steps above believed.
+    for top in WRITABLE_DIRS:
+        if os.path.isdir(top):
+            left = os.listdir(top)
+            if left:
+                problems.append("%s still holds %d entries, e.g. %r" % (top, len(left), sorted(left)[:5]))
+            if top != "/dev/mqueue":
+                st = os.statvfs(top)
+                if st.f_blocks != st.f_bfree:
+                    problems.append("%s still uses %d blocks" % (top, st.f_blocks - st.f_bfree))
+    for kind in ("shm", "sem", "msg"):
+        left = _sysv_ids(kind)
+        if left:
+            problems.append("SysV %s still holds ids %s" % (kind, left[:5]))
+    left = _other_processes()
+    if left:
+        problems.append("processes still present: %s" % left)
+    sys.stdout.write(json.dumps({"ok": not problems, "problems": problems, "removed": removed}) + "\n")
+    sys.stdout.flush()
+    sys.exit(0 if not problems else 1)
+
+
+def keeper(uid):
+    import threading
+
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+
+    def watch_stdin():
+        while True:
+            try:
+                if not os.read(0, 4096):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # SIGCHLD is blocked (in the watcher thread too) and taken synchronously: orphans are reaped at once.
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    while True:
+        signal.sigtimedwait([signal.SIGCHLD], 1.0)
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
 
 
 def main(argv):
@@ -207,11 +386,13 @@ def main(argv):
     if mode == "session":
         session(json.loads(argv[1]))
     elif mode == "oneshot":
-        oneshot(json.loads(argv[1]), float(argv[2]), "".join(argv[3:]))
+        oneshot(int(argv[1]), json.loads(argv[2]), float(argv[3]), "".join(argv[4:]))
+    elif mode == "clean":
+        clean(int(argv[1]), float(argv[2]))
     elif mode == "keeper":
-        keeper()
+        keeper(int(argv[1]))
     else:
-        sys.exit("unknown mode %r; expected session, oneshot or keeper" % mode)
+        sys.exit("unknown mode %r; expected session, oneshot, clean or keeper" % mode)
 
 
 if __name__ == "__main__":
