@@ -30,7 +30,9 @@
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
 # Extra flags are passed through, e.g. --dtype float32 --max-model-len 1024 --max-num-seqs 64.
 #
-# Files: $AGENTFLY_VLLM_RUN_DIR (default runs/vllm/) holds port-PORT.pid, port-PORT.log and the extension module.
+# Files: $AGENTFLY_VLLM_RUN_DIR (default runs/vllm/) holds port-PORT.pid, port-PORT.log and the extension module
+# (and port-PORT.watchdog.{pid,log} when AGENTFLY_VLLM_WATCH_PID names a process the server must die with:
+# LocalVLLMServers sets it to the trainer's pid, with AGENTFLY_VLLM_WATCH_START its start time).
 # Waits up to $VLLM_START_TIMEOUT seconds (default 300) for /health.
 set -euo pipefail
 
@@ -142,6 +144,15 @@ setsid "$PY" -m vllm.entrypoints.cli.main serve "$MODEL_DIR" --host 127.0.0.1 --
   "${cpu_flags[@]}" "${extra_args[@]}" > "$LOG_FILE" 2>&1 < /dev/null &
 pid=$!
 echo "$pid" > "$PID_FILE"
+# Started by LocalVLLMServers (config.vllm.launch=True): a watchdog stops the server's process group when the
+# launching process dies, however it dies (see vllm_launcher.py). Started right here, before anything can fail.
+if [ -n "${AGENTFLY_VLLM_WATCH_PID:-}" ]; then
+  setsid "$PY" -I "$ROOT/agentfly_jax/rollout/backends/vllm_launcher.py" watch \
+    --parent-pid "$AGENTFLY_VLLM_WATCH_PID" --parent-start "${AGENTFLY_VLLM_WATCH_START:-}" --group "$pid" \
+    --grace "${VLLM_STOP_TIMEOUT:-30}" --pid-file "$RUN_DIR/port-$PORT.watchdog.pid" \
+    > "$RUN_DIR/port-$PORT.watchdog.log" 2>&1 < /dev/null &
+  echo "$!" > "$RUN_DIR/port-$PORT.watchdog.pid"
+fi
 
 start=$SECONDS
 while true; do

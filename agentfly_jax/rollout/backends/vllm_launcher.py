@@ -8,14 +8,27 @@ scripts a user runs by hand for servers on other machines (then pass their URLs 
     urls = servers.start()      # blocks until every server answers /health
     ...
     servers.stop()              # idempotent; also called by VLLMBackend.close() for servers it was given
+
+A server dies with the process that launched it, however that process ends. `atexit` covers a normal exit, but
+not `kill -9`, an OOM kill or a crash; and a parent-death signal cannot work here, because the server's parent is
+start_vllm.sh, which exits once the server answers (the server runs in its own session, set up by `setsid`). So
+start_vllm.sh starts a watchdog beside each server (this file run as a script: `watch`, standard library only, so
+vLLM's own python runs it) that polls the launching process every second; once that process is gone (or a zombie,
+or its pid was reused: its start time no longer matches) it sends SIGTERM to the server's whole process group
+(API server and engine processes), then SIGKILL after $VLLM_STOP_TIMEOUT seconds (default 30). The watchdog
+ends by itself once the server's group is gone (stop_vllm.sh, a crash); it logs to port-PORT.watchdog.log.
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import logging
 import os
+import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -26,6 +39,101 @@ _SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
 
 class VLLMLaunchError(RuntimeError):
     """A local vLLM server could not be started."""
+
+
+def process_start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, /proc/PID/stat field 22), or None when there is no such
+    process or it is a zombie (dead, not yet reaped). Without /proc (not Linux): 0 for any live pid."""
+    if not os.path.exists("/proc/self/stat"):  # no /proc: liveness only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return 0
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that is not a zombie."""
+    if not os.path.exists("/proc/self/stat"):  # no /proc: any member, zombie or not
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # exited while we looked
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _say(message: str) -> None:
+    print(f"[vllm watchdog {time.strftime('%Y-%m-%d %H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def watch(parent_pid: int, parent_start: int | None, group: int, *, poll: float = 1.0,
+          grace: float = 30.0) -> str:
+    """Waits until `group` (a server's process group) is gone, or until `parent_pid` is (then stops the group:
+    SIGTERM, SIGKILL after `grace` seconds). `parent_start` (process_start_time of the parent when the server
+    was launched; None to skip the check) tells a reused pid from the parent. Returns what happened."""
+    _say(f"watching process group {group} for parent pid {parent_pid} (start time {parent_start})")
+    # start_vllm.sh starts this watchdog right after forking the server, which may not have run setsid yet:
+    # until it has, group `group` has no members and would look gone.
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        try:
+            if os.getpgid(group) == group:
+                break
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    while True:
+        if not group_alive(group):
+            _say(f"process group {group} is gone (stopped or crashed); nothing to do")
+            return "group gone"
+        start = process_start_time(parent_pid)
+        if start is None or (parent_start is not None and start != parent_start):
+            why = "exited" if start is None else f"was replaced (pid reused: start time {start} != {parent_start})"
+            _say(f"parent pid {parent_pid} {why}: SIGTERM to process group {group}")
+            break
+        time.sleep(poll)
+    _signal_group(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not group_alive(group):
+            _say(f"process group {group} stopped after SIGTERM")
+            return "stopped"
+        time.sleep(min(poll, 0.2))
+    _say(f"process group {group} still alive {grace:g} s after SIGTERM: SIGKILL")
+    _signal_group(group, signal.SIGKILL)
+    return "killed"
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _free_port() -> int:
@@ -59,7 +167,11 @@ class LocalVLLMServers:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
     def _env(self) -> dict:
-        env = {**os.environ, "VLLM_START_TIMEOUT": str(int(self.start_timeout))}
+        # Who start_vllm.sh's watchdog watches: this process (pid and start time, so a reused pid is told apart).
+        start = process_start_time(os.getpid())
+        env = {**os.environ, "VLLM_START_TIMEOUT": str(int(self.start_timeout)),
+               "AGENTFLY_VLLM_WATCH_PID": str(os.getpid()),
+               "AGENTFLY_VLLM_WATCH_START": "" if start is None else str(start)}
         if self.run_dir:
             env["AGENTFLY_VLLM_RUN_DIR"] = self.run_dir
         return env
@@ -68,7 +180,8 @@ class LocalVLLMServers:
         """Starts the servers one after the other (each takes about a minute on a CPU); returns their URLs.
         If one fails (or the start is interrupted), every server started so far — including the one being
         started — is stopped and VLLMLaunchError carries the script's output. Servers still running at
-        interpreter exit are stopped too (atexit)."""
+        interpreter exit are stopped too (atexit), and each server's watchdog stops it when this process dies
+        any other way (kill -9, crash)."""
         if not self._atexit_registered:
             atexit.register(self.stop)
             self._atexit_registered = True
@@ -105,4 +218,31 @@ class LocalVLLMServers:
         self.stop()
 
 
-__all__ = ["LocalVLLMServers", "VLLMLaunchError"]
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Stops a vLLM server's process group when its launcher dies.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser("watch", help="run the watchdog (started by scripts/start_vllm.sh)")
+    cmd.add_argument("--parent-pid", type=int, required=True, help="the launching process")
+    cmd.add_argument("--parent-start", default="",
+                     help="its start time (/proc/PID/stat field 22); empty: pid liveness only")
+    cmd.add_argument("--group", type=int, required=True, help="the server's process group id")
+    cmd.add_argument("--poll", type=float, default=1.0)
+    cmd.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    cmd.add_argument("--pid-file", default="", help="this watchdog's pid file, removed when it ends")
+    args = parser.parse_args(argv)
+    try:
+        watch(args.parent_pid, int(args.parent_start) if args.parent_start else None, args.group,
+              poll=args.poll, grace=args.grace)
+    finally:
+        if args.pid_file:
+            try:
+                os.remove(args.pid_file)
+            except FileNotFoundError:
+                pass
+    return 0
+
+
+__all__ = ["LocalVLLMServers", "VLLMLaunchError", "group_alive", "process_start_time", "watch"]
+
+if __name__ == "__main__":  # the watchdog, run by scripts/start_vllm.sh with vLLM's python (`python -I this_file`)
+    sys.exit(main())
