@@ -5,10 +5,14 @@ inside the sandbox. Modes:
 
   session LIMITS_JSON
       A persistent Python session (like a notebook kernel). Requests arrive one JSON object per line on
-      stdin ({"code", "timeout", "head", "tail"}); one JSON reply per line goes to stdout. Variables and
-      imports persist across requests. The user's fd 1/2 (print, os.write, child processes) go to
-      memory files that are read, capped (head + tail bytes) and emptied after each request, so nothing the
-      user prints can corrupt the protocol. A cell that runs past its timeout is interrupted with
+      stdin ({"id", "code", "timeout", "head", "tail"}); one JSON reply per line goes to stdout ({"id",
+      "stdout", "stderr", "value", "error", "timed_out", "elapsed"}, plus "crash" when the session had to
+      end). Variables and imports persist across requests. The cells run in a second process (the
+      kernel) that never holds the host channel: only this process (the relay) does, and it is
+      undumpable, so user code cannot write a reply whatever it does to its own process (the design and
+      what it checks: the "session" comment below and agentfly_jax/envs/sandbox/session.py). The user's
+      fd 1/2 (print, os.write, child processes) go to memory files that the relay reads, caps (head +
+      tail bytes) and empties after each request. A cell that runs past its timeout is interrupted with
       CellTimeout (state is kept); one that ignores the interrupt is killed by the host.
 
   oneshot RUN_UID LIMITS_JSON TIMEOUT CODE_CHUNK...
@@ -68,6 +72,18 @@ def _on_alarm(signum, frame):
     raise CellTimeout()
 
 
+def make_undumpable():
+    """prctl(PR_SET_DUMPABLE, 0): processes of the same uid can no longer open this process's
+    /proc/PID/fd, /proc/PID/mem or environ, nor ptrace it, nor take its descriptors with pidfd_getfd
+    (without CAP_SYS_PTRACE, which nothing in a sandbox has). Raises OSError when it cannot."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # 4 = PR_SET_DUMPABLE
+        err = ctypes.get_errno()
+        raise OSError(err, "prctl(PR_SET_DUMPABLE, 0): %s" % os.strerror(err))
+
+
 def _collect(fd, head, tail):
     """Reads what the user wrote to memory file `fd` (first `head` + last `tail` bytes), then empties it."""
     size = os.fstat(fd).st_size
@@ -78,6 +94,17 @@ def _collect(fd, head, tail):
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     return first.decode("utf-8", "replace"), last.decode("utf-8", "replace"), size
+
+
+def _cap_text(text, head, tail, what):
+    """`text` with its middle cut to head + tail characters, with a note on what was cut."""
+    if text is None or len(text) <= head + tail:
+        return text
+    return (
+        text[:head]
+        + "\n... [%d characters of the %s truncated] ...\n" % (len(text) - head - tail, what)
+        + text[-tail:]
+    )
 
 
 def _format_error(error, skip_frames):
@@ -119,53 +146,340 @@ def _run_cell(namespace, code, timeout, counter):
     return value, error, timed_out
 
 
-def session(limits):
-    apply_limits(limits)
-    requests = os.fdopen(os.dup(0), "rb")
-    replies = os.fdopen(os.dup(1), "wb")
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    out_fd, err_fd = os.memfd_create("stdout", 0), os.memfd_create("stderr", 0)
-    os.dup2(out_fd, 1)
-    os.dup2(err_fd, 2)
-    real_stdout, real_stderr = sys.stdout, sys.stderr
-    sys.stdin = open(os.devnull)
+# ------------------------------------------------------------------------------------------ session
+#
+# Two processes. The RELAY is the process the host started: it alone holds the host channel (its fds 0
+# and 1), makes itself undumpable, and never runs user code. The KERNEL is a child it forks at the start,
+# which runs the cells: its fds 0/1/2 are /dev/null and the two output memory files, and its only link to
+# the relay is a unix socket that the relay has shut down for reading (so the kernel can receive on it
+# but never send). For each request the relay creates a fresh result pipe and sends the kernel, over the
+# socket, the request with three descriptors: the pipe's write end and the two memory files (which the
+# kernel puts back on fds 1 and 2, whatever the previous cell did to them). The kernel runs the cell,
+# writes one result line (tagged with the request's sequence number) to the pipe and closes it; the
+# relay reads the pipe to its end, checks that it holds exactly that one line, reads the captured
+# output itself, and writes the reply to the host. Anything else in the pipe (a second line, garbage, a
+# wrong sequence number, more than the size limit), a pipe closed without a result while the kernel
+# lives, or a kernel's note that the previous cell closed or replaced its pipe, ends the session with a
+# reply whose "crash" says so. When the kernel dies, the relay exits with the kernel's status (128 + N
+# for signal N) so the host reports it as before.
+
+_RESULT_KEYS = {
+    "seq": int,
+    "value": (str, type(None)),
+    "error": (str, type(None)),
+    "timed_out": bool,
+}
+# The kernel's exit status when its request socket is gone or broken (the relay says so in its reply).
+_NO_REQUEST_CHANNEL = 71
+
+
+def _kernel(sock, stream_encoding, stream_errors):
+    """The forked child that runs the cells (see above); never returns."""
+    import socket
+
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    devnull = os.open(os.devnull, os.O_RDWR)  # the first one was closed with the rest
+    os.set_inheritable(devnull, False)
+    # The interpreter's own stream objects own fds 0/1/2: they stay referenced, so that collecting them
+    # never closes those fds.
+    streams = {"originals": (sys.stdin, sys.stdout, sys.stderr)}
+    sys.stdin = sys.__stdin__ = open(os.devnull)
+
+    def fresh_streams():
+        # Our own wrappers (closefd=False): a cell that closes sys.stdout gets working ones next time.
+        if "out" not in streams or streams["out"].closed:
+            streams["out"] = open(1, "w", encoding=stream_encoding, errors=stream_errors, closefd=False)
+        if "err" not in streams or streams["err"].closed:
+            streams["err"] = open(
+                2,
+                "w",
+                buffering=1,
+                encoding=stream_encoding,
+                errors="backslashreplace",
+                closefd=False,
+            )
+        sys.stdout = sys.__stdout__ = streams["out"]
+        sys.stderr = sys.__stderr__ = streams["err"]
+
+    current = {"result": None}
+
+    def after_fork_in_child():
+        # A fork of the kernel (os.fork, multiprocessing) must not keep the result pipe open, nor read
+        # requests meant for the kernel.
+        for fd in (current["result"], keep):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    os.register_at_fork(after_in_child=after_fork_in_child)
     signal.signal(signal.SIGALRM, _on_alarm)
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    counter = 0
+    note = None
     while True:
-        line = requests.readline()
-        if not line:
-            return
-        request = json.loads(line)
-        counter += 1
-        start = time.monotonic()
-        value, error, timed_out = _run_cell(namespace, request["code"], request["timeout"], counter)
-        for stream in (sys.stdout, sys.stderr, real_stdout, real_stderr):
+        try:
+            header, fds, _flags, _ = socket.recv_fds(sock, 8, 3)
+            while header and len(header) < 8:
+                more = sock.recv(8 - len(header))
+                if not more:
+                    header = b""
+                header += more
+            if not header:
+                os._exit(0)  # the relay closed the socket: the session is over
+            if len(header) < 8 or len(fds) != 3:
+                os._exit(_NO_REQUEST_CHANNEL)
+            size = int.from_bytes(header, "big")
+            payload = bytearray()
+            while len(payload) < size:
+                chunk = sock.recv(min(size - len(payload), 1 << 20))
+                if not chunk:
+                    os._exit(_NO_REQUEST_CHANNEL)
+                payload += chunk
+            request = json.loads(bytes(payload))
+        except OSError:  # a cell closed or replaced the socket's fd, or read from the socket itself
+            os._exit(_NO_REQUEST_CHANNEL)
+        result_fd, out_fd, err_fd = fds
+        os.set_inheritable(result_fd, False)
+        current["result"] = result_fd
+        identity = os.fstat(result_fd)[1:3]  # (inode, device)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        fresh_streams()
+        value, error, timed_out = _run_cell(namespace, request["code"], request["timeout"], request["seq"])
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # the cell closed fd 1 or 2: what is still buffered for it is dropped
+                os.dup2(devnull, fd)
+        for stream in (sys.stdout, sys.stderr, streams["out"], streams["err"]):
             try:
                 stream.flush()
             except BaseException:  # noqa: B902 - the user may have closed or replaced the stream
                 pass
-        sys.stdout, sys.stderr = real_stdout, real_stderr
         head, tail = request["head"], request["tail"]
-        out_head, out_tail, out_size = _collect(out_fd, head, tail)
-        err_head, err_tail, err_size = _collect(err_fd, head, tail)
-        if value is not None and len(value) > head + tail:
-            value = (
-                value[:head]
-                + "\n... [%d characters of the value truncated] ...\n" % (len(value) - head - tail)
-                + value[-tail:]
+        result = {
+            "seq": request["seq"],
+            "value": _cap_text(value, head, tail, "value"),
+            "error": _cap_text(error, head, tail, "error"),
+            "timed_out": timed_out,
+        }
+        if note is not None:
+            result["tampered"] = note
+            note = None
+        line = (json.dumps(result) + "\n").encode()
+        current["result"] = None
+        try:
+            if os.fstat(result_fd)[1:3] != identity:
+                raise OSError("the result pipe was replaced")
+            while line:
+                line = line[os.write(result_fd, line) :]
+            os.close(result_fd)
+        except OSError:
+            note = (
+                "cell %d closed or replaced the session's result channel (it may have answered in the "
+                "runner's place)" % request["seq"]
             )
-        reply = {
+
+
+def _kernel_exit_code(status):
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+class _Relay:
+    """The relay's side of one session (see above)."""
+
+    def __init__(self, sock, kernel_pid, out_fd, err_fd):
+        self.sock = sock
+        self.kernel_pid = kernel_pid
+        self.out_fd, self.err_fd = out_fd, err_fd
+        self.kernel_status = None
+        self.seq = 0
+
+    def reap(self, block_s=0.0):
+        """Reaps finished children (the kernel, and orphans when this is PID 1); True once the kernel
+        has ended. Waits up to `block_s` seconds for the kernel."""
+        deadline = time.monotonic() + block_s
+        while True:
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if pid == self.kernel_pid:
+                    self.kernel_status = status
+            if self.kernel_status is not None or time.monotonic() >= deadline:
+                return self.kernel_status is not None
+            time.sleep(0.01)
+
+    def exit_with_kernel(self):
+        """Ends the relay with the kernel's exit status (the kernel has ended or is ending)."""
+        if not self.reap(5.0):
+            os.kill(self.kernel_pid, signal.SIGKILL)
+            self.reap(5.0)
+        status = self.kernel_status
+        os._exit(137 if status is None else _kernel_exit_code(status))
+
+    def kernel_lost_its_socket(self):
+        status = self.kernel_status
+        return status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == _NO_REQUEST_CHANNEL
+
+    def run(self, request):
+        """Runs one request through the kernel; returns the reply for the host."""
+        import socket
+
+        self.seq += 1
+        start = time.monotonic()
+        head, tail = int(request["head"]), int(request["tail"])
+        payload = json.dumps(
+            {
+                "seq": self.seq,
+                "code": request["code"],
+                "timeout": request["timeout"],
+                "head": head,
+                "tail": tail,
+            }
+        ).encode()
+        read_fd, write_fd = os.pipe()
+        try:
+            try:
+                socket.send_fds(
+                    self.sock,
+                    [len(payload).to_bytes(8, "big")],
+                    [write_fd, self.out_fd, self.err_fd],
+                )
+                self.sock.sendall(payload)
+            except OSError:
+                if self.reap(2.0) and not self.kernel_lost_its_socket():
+                    self.exit_with_kernel()
+                return self._crash(request, start, "the code closed the session's request channel")
+            finally:
+                os.close(write_fd)
+            data, flooded = self._read_result(read_fd, 32 * (head + tail) + (1 << 16))
+        finally:
+            os.close(read_fd)
+        if flooded:
+            return self._crash(request, start, "the code flooded the session's result channel")
+        if not data:
+            if self.reap(2.0):
+                if self.kernel_lost_its_socket():
+                    return self._crash(request, start, "the code closed the session's request channel")
+                self.exit_with_kernel()
+            return self._crash(request, start, "the code closed the session's result channel")
+        lines = data.split(b"\n")
+        result = self._parse(lines[0]) if len(lines) == 2 and not lines[1] else None
+        if result is None:
+            if len(lines) > 2 and self._parse(lines[0]) is not None:
+                why = "the code wrote a result of its own into the session's result channel"
+            else:
+                why = "the code wrote into the session's result channel (its result was unreadable)"
+            return self._crash(request, start, why)
+        if "tampered" in result:
+            return self._crash(
+                request,
+                start,
+                "an earlier cell tampered with the session: " + result["tampered"],
+            )
+        reply = self._output(request, start)
+        reply.update(value=result["value"], error=result["error"], timed_out=result["timed_out"])
+        return reply
+
+    @staticmethod
+    def _read_result(fd, limit):
+        chunks, size = [], 0
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks), False
+            size += len(chunk)
+            if size > limit:
+                return b"", True
+            chunks.append(chunk)
+
+    def _parse(self, line):
+        """The kernel's result line as a dict, or None unless it is exactly this request's result."""
+        try:
+            result = json.loads(line)
+        except ValueError:
+            return None
+        allowed = set(_RESULT_KEYS) | {"tampered"}
+        if not isinstance(result, dict) or not set(_RESULT_KEYS) <= set(result) <= allowed:
+            return None
+        if any(not isinstance(result[key], kind) for key, kind in _RESULT_KEYS.items()):
+            return None
+        if result["seq"] != self.seq or not isinstance(result.get("tampered", ""), str):
+            return None
+        return result
+
+    def _output(self, request, start):
+        head, tail = int(request["head"]), int(request["tail"])
+        out_head, out_tail, out_size = _collect(self.out_fd, head, tail)
+        err_head, err_tail, err_size = _collect(self.err_fd, head, tail)
+        return {
+            "id": request["id"],
             "stdout": [out_head, out_tail, out_size],
             "stderr": [err_head, err_tail, err_size],
-            "value": value,
-            "error": error,
-            "timed_out": timed_out,
+            "value": None,
+            "error": None,
+            "timed_out": False,
             "elapsed": time.monotonic() - start,
         }
+
+    def _crash(self, request, start, why):
+        reply = self._output(request, start)
+        reply["crash"] = why + "; the session was ended"
+        return reply
+
+
+def session(limits):
+    import socket
+
+    apply_limits(limits)
+    out_fd, err_fd = (
+        os.memfd_create("stdout", os.MFD_CLOEXEC),
+        os.memfd_create("stderr", os.MFD_CLOEXEC),
+    )
+    relay_sock, kernel_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    encoding, errors = sys.stdout.encoding, sys.stdout.errors
+    pid = os.fork()
+    if pid == 0:
+        try:
+            relay_sock.close()
+            _kernel(kernel_sock, encoding, errors)
+        finally:
+            os._exit(70)
+    kernel_sock.close()
+    # Before the first request (so before any user code runs): nothing of this process is reachable.
+    make_undumpable()
+    relay_sock.shutdown(socket.SHUT_RD)  # the kernel can receive on the socket, never send
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    relay = _Relay(relay_sock, pid, out_fd, err_fd)
+    requests = os.fdopen(0, "rb")
+    replies = os.fdopen(1, "wb")
+    while True:
+        line = requests.readline()
+        if not line:
+            os.kill(pid, signal.SIGKILL)
+            relay.reap(5.0)
+            return
+        reply = relay.run(json.loads(line))
         replies.write(json.dumps(reply).encode() + b"\n")
         replies.flush()
+        if "crash" in reply:
+            os.kill(pid, signal.SIGKILL)
+            relay.reap(5.0)
+            return
+        relay.reap()
 
 
 def _drop_to(uid, limits):
