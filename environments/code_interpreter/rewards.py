@@ -16,7 +16,10 @@ _THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
 @reward(name="code_unit_tests")
 async def code_unit_tests(prediction: str, task: Any) -> dict[str, Any]:
     """Runs the dataset row's tests (HumanEval `test` + `entry_point`, or MBPP `test_list`) against the code
-    in `prediction` in a bubblewrap sandbox (10 s limit)."""
+    in `prediction` in a bubblewrap sandbox (10 s limit): 1.0 only when the judge reports every test passed
+    (see environments.code_interpreter.judge: the tests run in a process the code cannot reach, so exiting
+    early, patching builtins or printing fake results earns nothing); "tests_passed" / "tests_total" say
+    how far it got."""
     return await run_unit_tests(prediction, task, backend="bwrap", timeout=10.0)
 
 
