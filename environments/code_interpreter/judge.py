@@ -26,11 +26,14 @@ or killing the judge (under bwrap it is the sandbox's PID 1, which cannot be sig
 docker a killed judge prints no report) all leave the solution with failed or missing results: they
 happen in a process the tests do not run in. What solution code can still do, since it shares the sandbox
 (uid, /tmp, CPU and memory): exhaust resources so the run times out (scored 0), kill the judge under
-docker (no report: 0), and return the values the tests expect. Under docker the program reaches the
-sandbox as command-line arguments of the root wrapper, which every process can read in /proc; the tests'
-inputs and expected values and the token are then visible to the solution, but the report still has to
-be written on a stdout only the judge and that root wrapper hold, so the token alone does not let it
-forge one. Limits of the plain-data boundary: a test that passes a function or an object of its own to
+docker (no report: 0), and return the values the tests expect if it knows them from elsewhere (e.g. a
+memorised dataset). It cannot read them, nor the token, in the sandbox: on both backends this program
+reaches the sandbox on a stdin that is read to its end before any of it runs (under docker the root
+wrapper reads it from the exec's stdin and hands it on through a pipe), never as arguments or in a file,
+so no command line the solution can read in /proc holds any of it (the judge's is `python3 -I -`, the
+docker wrapper's and keeper's hold only the sandbox's own program, the solution process's this module's
+source and a descriptor number); the judge's environ and memory are closed to it (undumpable), the
+wrapper's too (root), and nothing of the program is written under /tmp or /dev/shm. Limits of the plain-data boundary: a test that passes a function or an object of its own to
 the solution, checks that the solution mutated an argument in place, or needs a solution's own class
 instance or generator back, fails even for a correct solution.
 """

@@ -12,7 +12,10 @@ and cleaner), `no-new-privileges`, and memory / pids / CPU limits. Three uids ta
 - user code always runs as RUN_UID (65534), which can neither signal nor trace PID 1 or the root wrapper;
 - the one-shot wrapper and the cleaner run as root through `docker exec` and use only SETUID/SETGID.
 
-One-shot runs (`run`) reuse warm containers. After each run the wrapper kills every process of RUN_UID;
+One-shot runs (`run`) reuse warm containers. The code goes to the wrapper over the exec's stdin, closed
+after it (a half-close of the hijacked stream, which dockerd passes on as EOF), never as arguments: every
+process in the container can read the wrapper's /proc/PID/cmdline, and a program such as the unit-test
+judge holds what the code it runs must not see. After each run the wrapper kills every process of RUN_UID;
 then, before the container goes back to the pool, a clean (inside.py, mode "clean") kills whatever is left,
 empties /tmp, /dev/shm and /dev/mqueue at any depth and mode, removes SysV IPC objects and verifies all of
 it. A clean that fails or cannot verify itself retires the container (destroyed and replaced, counted in
@@ -62,7 +65,6 @@ KEEPER_UID = 65533  # PID 1, after it dropped root
 ROOT_USER = "0:0"  # the one-shot wrapper and the cleaner (capabilities SETUID/SETGID only)
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
 MAX_CODE_BYTES = 1 << 20
-_ARG_CHARS = 30_000  # one argv string must stay under the kernel's 128 KiB (4 bytes per char at worst)
 
 
 def _owner() -> str:
@@ -210,6 +212,11 @@ class _ExecStream:
     async def write(self, data: bytes) -> None:
         self.writer.write(data)
         await self.writer.drain()
+
+    def close_stdin(self) -> None:
+        """Half-closes the stream (shutdown SHUT_WR once what was written is sent): dockerd closes the
+        exec's stdin, which then reads EOF, while its output keeps coming."""
+        self.writer.write_eof()
 
     def close(self) -> None:
         self.writer.close()
@@ -557,13 +564,13 @@ class DockerSandbox:
 
     async def run(self, code: str, timeout: float = 10.0) -> ExecResult:
         """Runs `code` as a fresh `python3 -I -` in a pooled container (see the module docstring)."""
-        if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
+        data = code.encode("utf-8", "surrogatepass")
+        if len(data) > MAX_CODE_BYTES:
             raise ValueError(
-                f"code is larger than {MAX_CODE_BYTES // MiB} MiB; the docker backend passes code "
-                "as arguments and accepts up to that size"
+                f"code is larger than {MAX_CODE_BYTES // MiB} MiB ({len(data)} bytes in UTF-8); the docker "
+                "backend accepts up to that size"
             )
         await self._ensure_ready()
-        chunks = [code[i : i + _ARG_CHARS] for i in range(0, len(code), _ARG_CHARS)] or [""]
         command = [
             "python3",
             "-I",
@@ -573,7 +580,8 @@ class DockerSandbox:
             str(RUN_UID),
             self.limits.rlimits_json(nproc=False, cpu_seconds=timeout + 1),
             str(timeout + 1.0),
-            *chunks,
+            str(len(data)),
+            str(MAX_CODE_BYTES),
         ]
         out = CappedBuffer(self.limits.max_output_bytes)
         err = CappedBuffer(self.limits.max_output_bytes)
@@ -584,9 +592,9 @@ class DockerSandbox:
                 start = time.monotonic()
                 container.runs += 1
                 try:
-                    exec_id, stream = await self._exec(container, command, stdin=False, user=ROOT_USER)
+                    exec_id, stream = await self._exec(container, command, stdin=True, user=ROOT_USER)
                     try:
-                        await asyncio.wait_for(self._pump(stream, out, err), timeout)
+                        await asyncio.wait_for(self._feed_and_pump(stream, data, out, err), timeout)
                     except asyncio.TimeoutError:
                         timed_out = True
                         container.retired = True
@@ -618,6 +626,26 @@ class DockerSandbox:
         return ExecResult(
             stdout=out.text(), stderr=stderr, exit_code=exit_code, timed_out=timed_out, elapsed_s=elapsed
         )
+
+    async def _feed_and_pump(
+        self, stream: _ExecStream, data: bytes, out: CappedBuffer, err: CappedBuffer
+    ) -> None:
+        """Sends the code on the exec's stdin and closes it, while reading the output (a wrapper that
+        refuses the code or ends early must not leave the write waiting)."""
+
+        async def feed():
+            try:
+                await stream.write(data)
+                stream.close_stdin()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the wrapper ended before reading it all; its exit status and stderr say why
+
+        feeding = asyncio.ensure_future(feed())
+        try:
+            await self._pump(stream, out, err)
+            await feeding
+        finally:
+            feeding.cancel()
 
     async def _pump(self, stream: _ExecStream, out: CappedBuffer, err: CappedBuffer) -> None:
         kill_bytes = self.limits.output_kill_bytes

@@ -15,11 +15,16 @@ inside the sandbox. Modes:
       tail bytes) and empties after each request. A cell that runs past its timeout is interrupted with
       CellTimeout (state is kept); one that ignores the interrupt is killed by the host.
 
-  oneshot RUN_UID LIMITS_JSON TIMEOUT CODE_CHUNK...
-      Started as root (docker exec, capabilities SETUID/SETGID only). Runs the joined code chunks with
-      `python3 -I -` in a child process that has dropped to RUN_UID (uid and gid) under the limits, so the
-      code can neither trace nor signal this wrapper or PID 1; then kills every process of RUN_UID.
-      Exits with the child's exit code (128 + signal number when it was killed by a signal).
+  oneshot RUN_UID LIMITS_JSON TIMEOUT CODE_BYTES MAX_CODE_BYTES
+      Started as root (docker exec, capabilities SETUID/SETGID only). Reads the code from its stdin to
+      EOF, refusing (exit status 2, before anything runs) more than MAX_CODE_BYTES or another size than
+      the announced CODE_BYTES; the code never travels as arguments, since every process in the container
+      can read this process's /proc/PID/cmdline. Then runs it with `python3 -I -` in a child process that
+      has dropped to RUN_UID (uid and gid) under the limits, so the code can neither trace nor signal this
+      wrapper or PID 1; the child's interpreter reads the code from a pipe of its own (to EOF, before the
+      code starts, so the code's stdin is that pipe, empty and with its write end closed), never from this
+      process's stdin, which is /dev/null by then. Then kills every process of RUN_UID. Exits with the child's exit code (128 + signal number
+      when it was killed by a signal).
 
   clean RUN_UID DEADLINE_S
       Started as root between two runs in a pooled container: kills every process but PID 1 and itself,
@@ -504,14 +509,49 @@ def _kill_all_as(uid):
         os.seteuid(0)
 
 
+def _refuse(why):
+    sys.stderr.write("[sandbox] one-shot wrapper: %s; nothing was run\n" % why)
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def _read_code(announced, cap):
+    """The code the host sent on stdin: all of it, up to EOF, before anything runs. Refuses (see
+    `_refuse`) more than `cap` bytes, or another size than `announced`. Then stdin becomes /dev/null, so
+    nothing started later holds the stream that carried the code."""
+    if not 0 <= announced <= cap:
+        _refuse("%d bytes announced, more than the cap of %d bytes" % (announced, cap))
+    chunks, size = [], 0
+    while True:
+        try:
+            chunk = os.read(0, min(1 << 20, cap + 1 - size))
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            _refuse("the code on stdin is more than %d bytes (the cap)" % cap)
+    if size != announced:
+        _refuse("got %d bytes where %d were announced" % (size, announced))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return b"".join(chunks)
+
+
 def oneshot(run_uid, limits, timeout, code):
+    """Runs `code` (bytes) as RUN_UID; see the module docstring."""
     import subprocess
 
+    # close_fds (the default) and stdin=PIPE: the child gets none of this process's descriptors but
+    # fds 1 and 2, and a fresh pipe as stdin.
     child = subprocess.Popen(
         [sys.executable, "-I", "-"], stdin=subprocess.PIPE, preexec_fn=lambda: _drop_to(run_uid, limits)
     )
     try:
-        child.stdin.write(code.encode("utf-8", "surrogatepass"))
+        child.stdin.write(code)
         child.stdin.close()
     except BrokenPipeError:
         pass
@@ -700,7 +740,13 @@ def main(argv):
     if mode == "session":
         session(json.loads(argv[1]))
     elif mode == "oneshot":
-        oneshot(int(argv[1]), json.loads(argv[2]), float(argv[3]), "".join(argv[4:]))
+        if len(argv) != 6:
+            sys.exit(
+                "oneshot takes RUN_UID LIMITS_JSON TIMEOUT CODE_BYTES MAX_CODE_BYTES (the code comes on "
+                "stdin); got %d arguments" % (len(argv) - 1)
+            )
+        code = _read_code(int(argv[4]), int(argv[5]))
+        oneshot(int(argv[1]), json.loads(argv[2]), float(argv[3]), code)
     elif mode == "clean":
         clean(int(argv[1]), float(argv[2]))
     elif mode == "keeper":
