@@ -9,12 +9,17 @@ A reward function's parameters say what it needs:
 
 The signature is checked against the dataset before the first rollout (`Reward.check_tasks`), so a
 misspelt field fails at start with a message naming it. At scoring time nothing raises: a reward that
-raises, times out or returns something unusable gives 0.0 and `ok=False` with the reason.
+raises (SystemExit and KeyboardInterrupt included), times out or returns something unusable gives 0.0 and
+`ok=False` with the reason and its kind (`REWARD_ERROR_KINDS`).
+
+Every reward runs under a time limit: its own `@reward(timeout=...)`, else the one the caller passes (the
+agent's `reward_timeout`, config `agent.reward_timeout`), else DEFAULT_REWARD_TIMEOUT_S; `math.inf` means
+none. At the limit the reward is cancelled and, if it does not stop, abandoned (a sync reward's thread, or an
+async reward that ignores cancellation, runs on in the background; see `call_with_limit`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import difflib
 import inspect
@@ -23,13 +28,24 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from agentfly_jax.tools.context import ToolContext
-from agentfly_jax.tools.execute import run_sync
+from agentfly_jax.tools.execute import CallRaisedBaseException, CallTimedOut, call_with_limit
 
 PREDICTION_PARAMETER = "prediction"
 TRAJECTORY_PARAMETER = "trajectory"
 TASK_PARAMETER = "task"
 ENV_PARAMETER = "env"
 _RUNTIME_PARAMETERS = (PREDICTION_PARAMETER, TRAJECTORY_PARAMETER, TASK_PARAMETER, ENV_PARAMETER)
+
+#: Seconds a reward may take when neither the reward nor the caller sets a limit.
+DEFAULT_REWARD_TIMEOUT_S = 300.0
+
+#: Every way scoring can fail; each RewardResult with ok=False carries one of these.
+REWARD_ERROR_KINDS = (
+    "exception",  # the reward raised (SystemExit, KeyboardInterrupt and other BaseExceptions included)
+    "timeout",  # it ran past its time limit and was stopped (or abandoned)
+    "bad_return",  # it returned something that is not a finite number or {"reward": number, ...}
+    "env_error",  # the chain's environment for an environment-backed reward could not be had
+)
 
 #: Rewards by name, filled by `@reward`.
 REWARD_REGISTRY: dict[str, Reward] = {}
@@ -47,6 +63,13 @@ class RewardResult:
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     ok: bool = True
     error: str | None = None
+    error_kind: str | None = None  # one of REWARD_ERROR_KINDS when ok is False
+    abandoned: bool = False  # timed out and still running when given up on
+
+
+def _failed(kind: str, message: str, extras: dict[str, Any] | None = None, **fields: Any) -> RewardResult:
+    assert kind in REWARD_ERROR_KINDS, kind
+    return RewardResult(0.0, dict(extras or {}), ok=False, error=message, error_kind=kind, **fields)
 
 
 class Reward:
@@ -171,62 +194,78 @@ class Reward:
         trajectory: Any = None,
         task: Mapping[str, Any] | None = None,
         context: ToolContext | None = None,
+        timeout: float | None = None,
     ) -> RewardResult:
-        """Call the reward; failures (raise, timeout, bad return, no environment) give 0.0 with ok=False."""
-        task = task if task is not None else (context.task if context is not None else {})
-        try:
-            env = None
-            if self.needs_env:
-                if context is None:
-                    raise RuntimeError(
-                        f"reward '{self.name}' scores in environment pool '{self.pool}' and needs the chain's "
-                        "context"
-                    )
-                async with context.env_lock(self.pool):
-                    env = await context.env(self.pool)
-                    return await self._call(prediction, trajectory, task, env)
-            return await self._call(prediction, trajectory, task, env)
-        except Exception as error:  # noqa: BLE001 - a failing reward is data, not a dead rollout
-            return RewardResult(0.0, ok=False, error=f"{type(error).__name__}: {error}")
+        """Call the reward; failures (raise, timeout, bad return, no environment) give 0.0 with ok=False.
 
-    async def _call(self, prediction: str, trajectory: Any, task: Mapping[str, Any], env: Any) -> RewardResult:
-        arguments = self.arguments_for(prediction=prediction, trajectory=trajectory, task=task, env=env)
-        if self.is_async:
-            pending = self.func(**arguments)
-        else:
-            pending = run_sync(self.func, **arguments)
-        if self.timeout is not None:
+        timeout: the limit for a reward without its own (None: DEFAULT_REWARD_TIMEOUT_S; `math.inf`: none).
+        """
+        task = task if task is not None else (context.task if context is not None else {})
+        limit_s = self.timeout if self.timeout is not None else timeout
+        limit_s = DEFAULT_REWARD_TIMEOUT_S if limit_s is None else limit_s
+        if not self.needs_env:
+            return await self._call(prediction, trajectory, task, None, limit_s)
+        if context is None:
+            return _failed(
+                "env_error",
+                f"reward '{self.name}' scores in environment pool '{self.pool}' and needs the chain's context",
+            )
+        async with context.env_lock(self.pool):
             try:
-                value = await asyncio.wait_for(pending, self.timeout)
-            except TimeoutError:
-                return RewardResult(
-                    0.0, ok=False, error=f"reward '{self.name}' did not finish within {self.timeout:g} s"
+                env = await context.env(self.pool)
+            except Exception as error:  # noqa: BLE001 - a failing reward is data, not a dead rollout
+                return _failed(
+                    "env_error",
+                    f"reward '{self.name}' could not get its environment (pool '{self.pool}'): "
+                    f"{type(error).__name__}: {error}",
                 )
-        else:
-            value = await pending
-        return self._result_of(value)
+            return await self._call(prediction, trajectory, task, env, limit_s)
+
+    async def _call(
+        self, prediction: str, trajectory: Any, task: Mapping[str, Any], env: Any, limit_s: float
+    ) -> RewardResult:
+        try:
+            arguments = self.arguments_for(prediction=prediction, trajectory=trajectory, task=task, env=env)
+            value = await call_with_limit(self.func, arguments, is_async=self.is_async, limit_s=limit_s)
+        except CallTimedOut as stopped:
+            state = " and was abandoned still running" if stopped.abandoned else ""
+            return _failed(
+                "timeout",
+                f"reward '{self.name}' did not finish within {limit_s:g} s{state}",
+                abandoned=stopped.abandoned,
+            )
+        except CallRaisedBaseException as error:  # SystemExit, KeyboardInterrupt, ... from the reward's code
+            return _failed("exception", f"reward '{self.name}' raised {error}")
+        except Exception as error:  # noqa: BLE001 - a failing reward is data, not a dead rollout
+            return _failed("exception", f"{type(error).__name__}: {error}")
+        try:
+            return self._result_of(value)
+        except Exception as error:  # noqa: BLE001 - e.g. a __float__ that raises
+            return _failed(
+                "bad_return",
+                f"reward '{self.name}' returned a {type(value).__name__} that is not a number "
+                f"({type(error).__name__}: {error})",
+            )
 
     def _result_of(self, value: Any) -> RewardResult:
         extras: dict[str, Any] = {}
         if isinstance(value, Mapping):
             if "reward" not in value:
-                return RewardResult(
-                    0.0,
-                    ok=False,
-                    error=f"reward '{self.name}' returned a dict without a 'reward' key (keys: {sorted(value)})",
+                return _failed(
+                    "bad_return",
+                    f"reward '{self.name}' returned a dict without a 'reward' key (keys: {sorted(map(str, value))})",
                 )
             extras = {key: item for key, item in value.items() if key != "reward"}
             value = value["reward"]
         if isinstance(value, str) or not hasattr(value, "__float__"):
-            return RewardResult(
-                0.0,
+            return _failed(
+                "bad_return",
+                f"reward '{self.name}' returned {type(value).__name__}; return a float or {{'reward': ...}}",
                 extras,
-                ok=False,
-                error=f"reward '{self.name}' returned {type(value).__name__}; return a float or {{'reward': ...}}",
             )
         number = float(value)
         if not math.isfinite(number):
-            return RewardResult(0.0, extras, ok=False, error=f"reward '{self.name}' returned {number}")
+            return _failed("bad_return", f"reward '{self.name}' returned {number}", extras)
         return RewardResult(number, extras)
 
 
@@ -241,7 +280,8 @@ def reward(
 
     It returns a float, or a dict with `reward` plus extras (logged). Sync and async functions both work
     (sync ones run in a worker thread). `pool` makes it environment-backed: it receives the chain's
-    environment of that pool as `env`.
+    environment of that pool as `env`. `timeout`: seconds before it is stopped and scores 0.0 (default: the
+    agent's `reward_timeout`, else DEFAULT_REWARD_TIMEOUT_S; `math.inf` for none).
     """
 
     def decorate(function: Callable) -> Reward:

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from agentfly_jax.rewards.decorator import REWARD_ERROR_KINDS
 from agentfly_jax.rollout.templates import ConversationEncoder
-from agentfly_jax.rollout.trajectory import ToolCallRecord, Trajectory
+from agentfly_jax.rollout.trajectory import CHAIN_ERROR_FLAG, ToolCallRecord, Trajectory
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.execute import TOOL_ERROR_KINDS, ToolResult, execute_tool_calls, parse_error_result
 
@@ -97,7 +98,10 @@ class RolloutStats:
     tool_calls: int = 0
     tool_time_s: float = 0.0
     tool_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    tools_abandoned: int = 0  # timed-out tool calls still running when given up on
     reward_failures: int = 0
+    reward_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by kind
+    rewards_abandoned: int = 0  # timed-out rewards still running when given up on
     reward_sum: float = 0.0
     rewarded: int = 0
     chain_errors: int = 0
@@ -129,7 +133,9 @@ class RolloutStats:
             "tool_calls": self.tool_calls,
             "tool_latency_s_mean": self.tool_time_s / max(self.tool_calls, 1),
             "tool_errors": sum(self.tool_errors.values()),
+            "tools_abandoned": self.tools_abandoned,
             "reward_failures": self.reward_failures,
+            "rewards_abandoned": self.rewards_abandoned,
             "reward_mean": self.reward_sum / self.rewarded if self.rewarded else 0.0,
             "chain_errors": self.chain_errors,
             "envs_acquired": self.envs_acquired,
@@ -138,6 +144,8 @@ class RolloutStats:
         }
         for kind in TOOL_ERROR_KINDS:
             out[f"tool_errors/{kind}"] = self.tool_errors[kind]
+        for kind in REWARD_ERROR_KINDS:
+            out[f"reward_failures/{kind}"] = self.reward_errors[kind]
         for reason in FINISH_REASONS:
             out[f"finish/{reason}"] = self.finish_reasons[reason]
         return {key: float(value) for key, value in out.items()}
@@ -289,6 +297,15 @@ async def _chain_turns(
             if not result.ok:
                 state.tool_errors[result.error_kind] += 1
                 stats.tool_errors[result.error_kind] += 1
+            if result.abandoned:
+                stats.tools_abandoned += 1
+                logger.warning(
+                    "chain %s: tool '%s' ran past its timeout and did not stop when cancelled; it was abandoned "
+                    "and runs on in the background (%d such calls in this rollout)",
+                    state.key,
+                    result.name,
+                    stats.tools_abandoned,
+                )
         progress.changed()
 
         last_turn = turn == max_turns - 1
@@ -370,10 +387,14 @@ async def _run_chain(
             ) as context:
                 try:
                     await _chain_turns(agent, state, context, max_turns, seed, stats, progress)
-                except Exception as error:  # noqa: BLE001 - a failed chain is data, the others go on
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise  # stopping the rollout (a KeyboardInterrupt here is Ctrl-C outside asyncio.run)
+                except BaseException as error:  # noqa: BLE001 - a failed chain is data, the others go on
+                    # SystemExit and the like too: tools and rewards already turn theirs into observations
+                    # and failed rewards, but an environment's or a backend's must not end the process either.
                     state.finish_reason = "error"
                     state.error = f"{type(error).__name__}: {error}"
-                    state.flags.add("chain_error")
+                    state.flags.add(CHAIN_ERROR_FLAG)
                     stats.chain_errors += 1
                     log = logger.warning if stats.chain_errors == 1 else logger.debug
                     log("chain %s failed: %s", state.key, state.error, exc_info=stats.chain_errors == 1)
@@ -398,14 +419,23 @@ async def _score(
 ) -> None:
     """Score a finished chain (inside its context, so env-backed rewards see its environment)."""
     result = await agent.reward_fn.score(
-        prediction=state.last_text, trajectory=trajectory, task=state.task, context=context
+        prediction=state.last_text,
+        trajectory=trajectory,
+        task=state.task,
+        context=context,
+        timeout=agent.reward_timeout,
     )
     trajectory.reward = result.reward
     trajectory.reward_extras = dict(result.extras)
     if not result.ok:
         trajectory.flags.add("reward_failed")
         trajectory.reward_extras["reward_error"] = result.error
+        trajectory.reward_extras["reward_error_kind"] = result.error_kind
         stats.reward_failures += 1
+        stats.reward_errors[result.error_kind] += 1
+        stats.rewards_abandoned += int(result.abandoned)
+        log = logger.warning if stats.reward_failures == 1 or result.abandoned else logger.debug
+        log("chain %s: reward scored 0.0: %s: %s", state.key, result.error_kind, result.error)
     else:
         stats.reward_sum += result.reward
         stats.rewarded += 1

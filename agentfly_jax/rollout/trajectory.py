@@ -12,6 +12,10 @@ import numpy as np
 # Unpacked batches are padded to a multiple of this, so jit sees a handful of sequence lengths.
 SEQUENCE_BUCKET = 64
 
+#: The flag of a chain the runtime could not finish (the backend failed, an environment raised, ...): not an
+#: episode the policy played out, so the trainer leaves it out of the batch (trainer/batch.py).
+CHAIN_ERROR_FLAG = "chain_error"
+
 
 @dataclasses.dataclass
 class ToolCallRecord:
@@ -117,6 +121,11 @@ class Trajectory:
     def num_action_tokens(self) -> int:
         """Number of tokens the policy sampled."""
         return sum(self.action_mask)
+
+    @property
+    def chain_error(self) -> bool:
+        """Whether the chain ended in a runtime error (its reward says nothing about the policy)."""
+        return CHAIN_ERROR_FLAG in self.flags or self.finish_reason == "error"
 
 
 def _first(conditions) -> int | None:

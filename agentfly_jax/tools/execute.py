@@ -4,12 +4,15 @@
 checks the arguments against its schema, gives stateful tools their chain's environment, runs the tool
 (sync tools in a worker thread) under its timeout, and truncates long observations. The outcome is a
 `ToolResult`; a failed call has `ok=False`, an `error` message and an `error_kind` from `TOOL_ERROR_KINDS`.
+
+`call_with_limit` is how tools and rewards run user code: under a limit that holds even for code that ignores
+cancellation (it is abandoned, not awaited), with `SystemExit`, `KeyboardInterrupt` and the like raised by the
+code turned into an ordinary exception, so that user code can neither hang a chain nor end the process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -21,7 +24,13 @@ from typing import Any
 
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.decorator import ENV_PARAMETER, TASK_PARAMETER, Tool, as_tool_table
-from agentfly_jax.tools.parsers import ParseError, ToolCall, decode_arguments, parse_hermes_tool_calls
+from agentfly_jax.tools.parsers import (
+    ParseError,
+    ToolCall,
+    decode_arguments,
+    lone_surrogate_in,
+    parse_hermes_tool_calls,
+)
 from agentfly_jax.tools.schema import validate_arguments
 
 #: Every way a tool call can fail; each ToolResult with ok=False carries one of these.
@@ -40,26 +49,213 @@ TOOL_ERROR_KINDS = (
 DEFAULT_TOOL_TIMEOUT_S = 60.0
 DEFAULT_MAX_OBSERVATION_CHARS = 8192
 
-# Sync tools run here, so that a slow or hung one blocks neither the event loop nor the other tools.
-_SYNC_TOOL_WORKERS = 64
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+class CallRaisedBaseException(Exception):
+    """User code (a tool, a reward) raised a BaseException that is not cancellation: `SystemExit`,
+    `KeyboardInterrupt`, `GeneratorExit`, a BaseExceptionGroup... Carried as an ordinary exception so that it
+    becomes that call's failure instead of stopping the event loop (asyncio re-raises SystemExit and
+    KeyboardInterrupt out of the loop). Under `asyncio.run` / `asyncio.Runner` a real Ctrl-C reaches the rollout
+    as cancellation, not as a KeyboardInterrupt inside a tool, so this does not swallow it."""
+
+    def __init__(self, error: BaseException):
+        text = _text_of(error)
+        super().__init__(f"{type(error).__name__}: {text}" if text else type(error).__name__)
+        self.error = error
 
 
-def _sync_executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_SYNC_TOOL_WORKERS, thread_name_prefix="agentfly-sync-call"
-            )
-        return _executor
+class CallTimedOut(Exception):
+    """A call ran past its limit; `abandoned` is True when it was still running after being stopped."""
+
+    def __init__(self, limit_s: float, abandoned: bool):
+        super().__init__(f"did not finish within {limit_s:g} s")
+        self.limit_s = limit_s
+        self.abandoned = abandoned
+
+
+def _text_of(error: BaseException) -> str:
+    """str(error), or what it is when its message itself cannot be made (a raising __str__)."""
+    try:
+        return str(error)
+    except Exception as problem:  # noqa: BLE001
+        return f"<message not shown: {type(problem).__name__}>"
+
+
+def _call_sync(function: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        return function(**kwargs)
+    except Exception:
+        raise
+    except BaseException as error:  # in a worker thread, always the function's own (signals go to main)
+        raise CallRaisedBaseException(error) from error
+
+
+async def _call_async(function: Any, kwargs: dict[str, Any]) -> Any:
+    try:
+        return await function(**kwargs)
+    except (Exception, asyncio.CancelledError):
+        raise
+    except BaseException as error:
+        raise CallRaisedBaseException(error) from error
+
+
+# At most this many sync calls run at once (more wait for a slot); an abandoned call gives its slot back, so
+# hung code cannot use up the slots and stall every later call.
+SYNC_CALL_SLOTS = 64
+_sync_slots = threading.BoundedSemaphore(SYNC_CALL_SLOTS)
+
+
+class _SyncCall:
+    """One sync call on its own daemon thread (a hung one neither blocks the event loop nor keeps the process
+    from exiting), its outcome delivered to an asyncio future of the calling loop."""
+
+    def __init__(self, function: Any, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop):
+        self.future: asyncio.Future = loop.create_future()
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._state = "queued"  # -> running -> finished; queued -> dropped; running -> abandoned
+        self._holds_slot = False
+        self._thread = threading.Thread(
+            target=self._run, args=(function, kwargs), name="agentfly-sync-call", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, function: Any, kwargs: dict[str, Any]) -> None:
+        _sync_slots.acquire()
+        with self._lock:
+            if self._state != "queued":  # stopped before it got a slot
+                _sync_slots.release()
+                return
+            self._state, self._holds_slot = "running", True
+        error: BaseException | None = None
+        value = None
+        try:
+            value = _call_sync(function, kwargs)
+        except BaseException as raised:  # noqa: BLE001 - handed to the caller
+            error = raised
+        finally:
+            with self._lock:
+                if self._holds_slot:
+                    _sync_slots.release()
+                    self._holds_slot = False
+                abandoned = self._state == "abandoned"
+                self._state = "finished"
+            if abandoned:
+                _forget(self)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, value, error)
+        except RuntimeError:
+            pass  # the loop is closed: a call abandoned by a finished rollout has no one to report to
+
+    def _deliver(self, value: Any, error: BaseException | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(value)
+
+    def stop(self) -> bool:
+        """Stop waiting for the call: a queued one is dropped, a running one abandoned (its thread runs on,
+        its slot is given back); True when abandoned."""
+        self.future.cancel()
+        with self._lock:
+            if self._state == "queued":
+                self._state = "dropped"
+                return False
+            if self._state != "running":
+                return False
+            self._state = "abandoned"
+            if self._holds_slot:
+                _sync_slots.release()
+                self._holds_slot = False
+            _abandon(self)  # under the lock: the thread's `_forget` at its end comes after
+        return True
 
 
 async def run_sync(function: Any, /, **kwargs: Any) -> Any:
-    """Run a sync callable in the runtime's worker threads (tools and rewards share them)."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_sync_executor(), lambda: function(**kwargs))
+    """Run a sync callable on a worker thread, without a limit (see `call_with_limit` for one); a
+    BaseException it raises (SystemExit, ...) comes back as CallRaisedBaseException."""
+    return await call_with_limit(function, kwargs, is_async=False, limit_s=None)
+
+
+# After a timeout, how long a cancelled async call gets to end (its cleanup in `finally`) before it is abandoned.
+CANCEL_GRACE_S = 0.1
+# Calls stopped at their limit that were still running: kept referenced until they end (an unreferenced task
+# may be garbage-collected mid-run), their outcome consumed so nothing is logged as never retrieved.
+_abandoned: set[Any] = set()
+_abandoned_lock = threading.Lock()
+_abandoned_total = 0
+
+
+def abandoned_calls() -> tuple[int, int]:
+    """(calls abandoned since the process started, those of them still running)."""
+    with _abandoned_lock:
+        return _abandoned_total, len(_abandoned)
+
+
+def _abandon(running: Any) -> None:
+    global _abandoned_total
+    with _abandoned_lock:
+        _abandoned_total += 1
+        _abandoned.add(running)
+
+
+def _forget(running: Any) -> None:
+    with _abandoned_lock:
+        _abandoned.discard(running)
+
+
+def _abandon_task(task: asyncio.Task) -> None:
+    _abandon(task)
+
+    def ended(done: asyncio.Task) -> None:
+        _forget(done)
+        if not done.cancelled():
+            done.exception()  # consumed: a runaway's late failure is nobody's to report
+
+    task.add_done_callback(ended)
+
+
+async def call_with_limit(function: Any, arguments: dict[str, Any], *, is_async: bool, limit_s: float | None) -> Any:
+    """`function(**arguments)`'s value (async functions in their own task, sync ones on their own thread).
+
+    When `limit_s` (None or `math.inf`: no limit) passes first, the call is stopped: an async one is cancelled
+    and, if it has not ended after CANCEL_GRACE_S (it swallows cancellation), abandoned; a sync one still
+    running is abandoned at once (a thread cannot be stopped). Abandoned calls run on in the background and are
+    counted (`abandoned_calls`); CallTimedOut is raised at the limit either way, so no call holds its caller
+    past it. A SystemExit/KeyboardInterrupt/... the function raises comes back as CallRaisedBaseException.
+    Cancelling the caller stops the call the same way and propagates.
+    """
+    if is_async:
+        running: Any = asyncio.ensure_future(_call_async(function, arguments))
+        outcome = running
+    else:
+        running = _SyncCall(function, arguments, asyncio.get_running_loop())
+        outcome = running.future
+    unlimited = limit_s is None or math.isinf(limit_s)
+    try:
+        done, _ = await asyncio.wait({outcome}, timeout=None if unlimited else limit_s)
+    except asyncio.CancelledError:
+        await _stop(running)
+        raise
+    if done:
+        return outcome.result()
+    raise CallTimedOut(limit_s, abandoned=await _stop(running))
+
+
+async def _stop(running: Any) -> bool:
+    """Stop a call (see `call_with_limit`); True when it was abandoned still running."""
+    if isinstance(running, _SyncCall):
+        return running.stop()
+    running.cancel()
+    try:
+        await asyncio.wait({running}, timeout=CANCEL_GRACE_S)
+    finally:  # also when the caller is cancelled again meanwhile
+        abandoned = not running.done()
+        if abandoned:
+            _abandon_task(running)
+        elif not running.cancelled():
+            running.exception()  # it ended after all; its outcome came past the limit and is not used
+    return abandoned
 
 
 @dataclasses.dataclass
@@ -79,6 +275,7 @@ class ToolResult:
     arguments: dict[str, Any] = dataclasses.field(default_factory=dict)
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     latency_s: float = 0.0
+    abandoned: bool = False  # a timed-out call was still running when given up on (see call_with_limit)
 
 
 def _failure(kind: str, message: str, name: str = "", arguments: Any = None, **fields: Any) -> ToolResult:
@@ -123,7 +320,7 @@ def _call_from_raw(raw: str | Mapping[str, Any]) -> ToolCall | ToolResult:
             return _failure(
                 "parse_error", 'a tool call is {"name": <tool name>, "arguments": {...}}; got ' + repr(raw)[:200]
             )
-        return ToolCall(name=name, arguments=dict(arguments), raw=json.dumps(raw, default=str))
+        return ToolCall(name=name, arguments=dict(arguments), raw=_shown(raw))
     text = raw.strip()
     if "<tool_call>" not in text and "</tool_call>" not in text:
         text = f"<tool_call>{text}</tool_call>"
@@ -139,8 +336,31 @@ def _call_from_raw(raw: str | Mapping[str, Any]) -> ToolCall | ToolResult:
     return parsed.tool_calls[0]
 
 
+def _shown(value: Any) -> str:
+    """`value` as JSON text for logs, or its type when it has none (cycles, over-long ints, ...)."""
+    try:
+        return json.dumps(value, default=str)
+    except Exception as error:  # noqa: BLE001 - only text for a log
+        return f"<{type(value).__name__} not shown: {type(error).__name__}: {error}>"
+
+
 def _observation_of(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
-    """(observation, extras) from what a tool returned; raises TypeError for anything unusable."""
+    """(observation, extras) from what a tool returned; raises TypeError for anything unusable.
+
+    A value with no JSON text (a list or dict holding itself, an int longer than Python converts, an object
+    whose str() raises) is unusable too: the TypeError names the tool, the type and why."""
+    try:
+        return _observation_text(tool, result)
+    except TypeError:
+        raise
+    except Exception as error:  # ValueError (a cycle, too many digits), RecursionError, a raising str()
+        raise TypeError(
+            f"tool '{tool.name}' returned a {type(result).__name__} that cannot be written as text "
+            f"({type(error).__name__}: {error}); return a string or {{'observation': <string>, ...}}"
+        ) from error
+
+
+def _observation_text(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(result, str):
         return result, {}
     if isinstance(result, Mapping):
@@ -162,13 +382,6 @@ def _observation_of(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
     )
 
 
-async def _invoke(tool: Tool, arguments: dict[str, Any]) -> Any:
-    function = tool.bound_function
-    if tool.is_async:
-        return await function(**arguments)
-    return await run_sync(function, **arguments)
-
-
 async def execute_tool_call(
     call: ToolCall | str | Mapping[str, Any],
     tools: Mapping[str, Tool] | Iterable[Any],
@@ -187,12 +400,36 @@ async def execute_tool_call(
       DEFAULT_TOOL_TIMEOUT_S and DEFAULT_MAX_OBSERVATION_CHARS; `math.inf` timeout means none).
     context: the calling chain's ToolContext (dataset row + environments); stateful tools need one.
     Cancellation is not a failure: cancelling the caller cancels the tool and propagates.
+    A tool that does not stop when its timeout cancels it is abandoned (`ToolResult.abandoned`); a SystemExit
+    or KeyboardInterrupt it raises is a `tool_exception`; no observation holds a lone surrogate.
     """
+    return _encodable(
+        await _execute_tool_call(
+            call, tools, timeout=timeout, max_observation_chars=max_observation_chars, context=context
+        )
+    )
+
+
+async def _execute_tool_call(
+    call: ToolCall | str | Mapping[str, Any],
+    tools: Mapping[str, Tool] | Iterable[Any],
+    *,
+    timeout: float | None,
+    max_observation_chars: int | None,
+    context: ToolContext | None,
+) -> ToolResult:
     if not isinstance(call, ToolCall):
         parsed = _call_from_raw(call)
         if isinstance(parsed, ToolResult):
             return parsed
         call = parsed
+    surrogate = lone_surrogate_in([call.name, call.arguments])
+    if surrogate is not None:  # the parsers refuse these; calls made in Python are checked here
+        return _failure(
+            "bad_arguments",
+            f"the call holds {surrogate}, half of a UTF-16 surrogate pair, which is not a character",
+            name=call.name,
+        )
     table = tools if isinstance(tools, dict) and all(isinstance(t, Tool) for t in tools.values()) else None
     table = table if table is not None else as_tool_table(tools)
     tool = table.get(call.name)
@@ -231,7 +468,9 @@ async def execute_tool_call(
             async with context.env_lock(tool.pool):
                 try:
                     arguments_in[ENV_PARAMETER] = await context.env(tool.pool)
-                except Exception as error:  # noqa: BLE001 - any provider failure is shown to the model
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise
+                except BaseException as error:  # noqa: BLE001 - any provider failure (SystemExit too) is shown
                     return _failure(
                         "env_error",
                         f"tool '{tool.name}' could not get its environment (pool '{tool.pool}'): "
@@ -243,10 +482,20 @@ async def execute_tool_call(
                 result = await _run_with_timeout(tool, arguments_in, limit_s)
         else:
             result = await _run_with_timeout(tool, arguments_in, limit_s)
-    except _ToolTimedOut:
+    except CallTimedOut as stopped:
         return _failure(
             "timeout",
-            f"tool '{tool.name}' did not finish within {limit_s:g} s and was stopped",
+            f"tool '{tool.name}' did not finish within {limit_s:g} s and was stopped"
+            + (" (it ignored being cancelled and was abandoned)" if stopped.abandoned else ""),
+            name=tool.name,
+            arguments=arguments,
+            latency_s=time.perf_counter() - started,
+            abandoned=stopped.abandoned,
+        )
+    except CallRaisedBaseException as error:  # SystemExit, KeyboardInterrupt, ... from the tool's code
+        return _failure(
+            "tool_exception",
+            f"tool '{tool.name}' raised {error}",
             name=tool.name,
             arguments=arguments,
             latency_s=time.perf_counter() - started,
@@ -254,7 +503,7 @@ async def execute_tool_call(
     except Exception as error:  # noqa: BLE001 - a raising tool becomes an observation
         return _failure(
             "tool_exception",
-            f"tool '{tool.name}' raised {type(error).__name__}: {error}",
+            f"tool '{tool.name}' raised {type(error).__name__}: {_text_of(error)}",
             name=tool.name,
             arguments=arguments,
             latency_s=time.perf_counter() - started,
@@ -292,21 +541,34 @@ async def execute_tool_call(
     )
 
 
-class _ToolTimedOut(Exception):
-    """Our own timeout fired (as opposed to a TimeoutError the tool raised itself)."""
-
-
 async def _run_with_timeout(tool: Tool, arguments: dict[str, Any], limit_s: float) -> Any:
-    if limit_s is None or math.isinf(limit_s):
-        return await _invoke(tool, arguments)
-    scope = asyncio.timeout(limit_s)
-    try:
-        async with scope:
-            return await _invoke(tool, arguments)
-    except TimeoutError:
-        if scope.expired():
-            raise _ToolTimedOut() from None
-        raise
+    return await call_with_limit(tool.bound_function, arguments, is_async=tool.is_async, limit_s=limit_s)
+
+
+def _without_surrogates(text: str) -> tuple[str, int]:
+    """`text` with each lone surrogate written as its escape (`\\ud800`), and how many there were: such text
+    cannot be encoded (the tokenizer, UTF-8 logs), so no observation may hold one."""
+    count = sum(1 for character in text if "\ud800" <= character <= "\udfff")
+    if not count:
+        return text, 0
+    return text.encode("utf-8", "backslashreplace").decode("utf-8"), count
+
+
+def _encodable(result: ToolResult) -> ToolResult:
+    """The result with no lone surrogate left in what is shown or logged; a successful call whose output held
+    one becomes a `tool_exception` failure (its output kept, escaped, with a note saying so)."""
+    observation, count = _without_surrogates(result.observation)
+    result.error = _without_surrogates(result.error)[0] if result.error is not None else None
+    result.name = _without_surrogates(result.name)[0]
+    if count and result.ok:
+        message = (
+            f"tool '{result.name}' returned text holding {count} lone surrogate(s) (half of a UTF-16 pair, not a "
+            "character); they are shown escaped, like \\ud800"
+        )
+        observation = f"{observation}\n[{message}]"
+        result.ok, result.error, result.error_kind = False, message, "tool_exception"
+    result.observation = observation
+    return result
 
 
 async def execute_tool_calls(

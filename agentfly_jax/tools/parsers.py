@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,48 @@ class ParseResult:
         return not self.errors
 
 
+# A UTF-16 surrogate code point: JSON's "\\ud800" escapes decode to one when not part of a valid pair, and
+# such a string cannot be encoded (tokenizer, UTF-8 logs), so a call holding one is refused.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_in(value: Any) -> str | None:
+    """The first lone surrogate in the strings (and keys) of a value made of dicts, lists and tuples, written as
+    an escape like `\\ud800`; None when there is none. Walks without recursion (any depth, cycles too)."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+            if found:
+                return f"\\u{ord(found.group()):04x}"
+        elif isinstance(item, (dict, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))  # a container reached twice (or holding itself) is walked once
+            stack.extend(item.keys() if isinstance(item, dict) else ())
+            stack.extend(item.values() if isinstance(item, dict) else item)
+    return None
+
+
+def load_json(text: str, *, prefix: bool = False) -> tuple[Any, int] | str:
+    """(value, end) of the JSON in `text` (with `prefix`, of the JSON value it starts with), or why it cannot be
+    read, phrased to follow "... is not valid JSON": a syntax error, nesting too deep, an integer longer than
+    Python reads (`sys.get_int_max_str_digits()`), or a lone surrogate escape. Never raises."""
+    try:
+        if prefix:
+            value, end = json.JSONDecoder().raw_decode(text)
+        else:
+            value, end = json.loads(text), len(text)
+    except (json.JSONDecodeError, RecursionError) as error:
+        return str(error)
+    except ValueError:
+        # json raises a plain ValueError only from int(): the number has more digits than Python converts.
+        return f"an integer in it has more than {sys.get_int_max_str_digits()} digits"
+    surrogate = lone_surrogate_in(value)
+    if surrogate is not None:
+        return f"a string in it holds {surrogate}, half of a surrogate pair, which is not a character"
+    return value, end
+
+
 def _call_from_json_object(payload: Any, raw: str) -> ToolCall | ParseError:
     """A ToolCall from a decoded `{"name": ..., "arguments": {...}}` object, or why it is not one.
 
@@ -85,13 +128,13 @@ def decode_arguments(name: str, arguments: Any) -> dict[str, Any] | str:
     holds something other than an object, gives the message.
     """
     if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError) as error:
+        loaded = load_json(arguments)
+        if isinstance(loaded, str):
             return (
-                f"arguments of tool call {name!r} are a string that is not valid JSON ({error}); "
+                f"arguments of tool call {name!r} are a string that is not valid JSON ({loaded}); "
                 'write "arguments": {...}, or a string holding one JSON object'
             )
+        decoded = loaded[0]
         if not isinstance(decoded, dict):
             return (
                 f"arguments of tool call {name!r} are a JSON string holding {type(decoded).__name__}, "
@@ -153,12 +196,11 @@ def parse_hermes_tool_calls(text: str) -> ParseResult:
             continue
         raw = text[open_at : close_at + len(TOOL_CALL_CLOSE)]
         body = text[body_start:close_at].strip()
-        try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, RecursionError) as error:
-            errors.append(ParseError(f"tool call is not valid JSON ({error})", raw))
+        loaded = load_json(body)
+        if isinstance(loaded, str):
+            errors.append(ParseError(f"tool call is not valid JSON ({loaded})", raw))
         else:
-            result = _call_from_json_object(payload, raw)
+            result = _call_from_json_object(loaded[0], raw)
             (calls if isinstance(result, ToolCall) else errors).append(result)
         cursor = close_at + len(TOOL_CALL_CLOSE)
     return ParseResult(text=_join_text(free_text), tool_calls=calls, errors=errors)
@@ -236,11 +278,11 @@ def parse_react(text: str) -> ParseResult:
                     ParseError(f'Action Input of {name!r} must be a JSON object like {{"key": value}}', raw)
                 )
                 continue
-            try:
-                arguments, consumed = json.JSONDecoder().raw_decode(stripped)
-            except (json.JSONDecodeError, RecursionError) as error:
-                errors.append(ParseError(f"Action Input of {name!r} is not valid JSON ({error})", raw))
+            loaded = load_json(stripped, prefix=True)
+            if isinstance(loaded, str):
+                errors.append(ParseError(f"Action Input of {name!r} is not valid JSON ({loaded})", raw))
                 continue
+            arguments, consumed = loaded
             if stripped[consumed:].strip():
                 errors.append(ParseError(f"unexpected text after the Action Input JSON of {name!r}", raw))
             else:

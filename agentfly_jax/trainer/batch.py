@@ -60,6 +60,26 @@ class UpdateBatch(flax.struct.PyTreeNode):
         return int(self.rows.tokens.shape[0])
 
 
+def drop_failed_chains(trajectories: Sequence[Any]) -> tuple[list, list]:
+    """(chains to train on, chains dropped): a chain that ended in a runtime error (`Trajectory.chain_error`:
+    the backend failed, an environment raised) is not an episode, and its 0.0 reward would be trained on as if
+    the policy had earned it, so it is left out of the batch.
+
+    Group baselines (GRPO and the other group estimators) are taken over the chains of a group that remain: a
+    group that lost some chains is scored against its other chains, a group left with one chain gets advantage 0
+    (the estimators' rule for a lone member), and a group that lost all is simply absent from the step."""
+    kept = [t for t in trajectories if not t.chain_error]
+    dropped = [t for t in trajectories if t.chain_error]
+    return kept, dropped
+
+
+def no_chains_left_error(dropped: Sequence[Any], step: int) -> RuntimeError:
+    """The error for a step whose every chain ended in a runtime error: there is nothing to train on."""
+    first = next((t.metrics.get("error") for t in dropped if t.metrics.get("error")), "no error recorded")
+    return RuntimeError(f"RL step {step}: all {len(dropped)} chains ended in a runtime error (chain_error), so "
+                        f"there is nothing to train on; the first error: {first}")
+
+
 def choose_bucket(length: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= length; a clear error when even the largest is too small."""
     for b in sorted(buckets):

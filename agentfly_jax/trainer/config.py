@@ -130,6 +130,8 @@ class AgentSection:
     top_k: int = -1
     parallel_tool_calls: bool = True
     tool_timeout: float | None = None
+    # seconds a reward without its own @reward(timeout=) may take (None: 300 s, inf: no limit)
+    reward_timeout: float | None = knob(None, lambda v: v is None or v > 0, "None or positive seconds")
     max_concurrency: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn tokens
 

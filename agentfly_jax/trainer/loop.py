@@ -31,7 +31,8 @@ from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.trainer import builders
-from agentfly_jax.trainer.batch import UpdateBatch, assign_minibatches, choose_bucket, pack_step
+from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_bucket, drop_failed_chains,
+                                       no_chains_left_error, pack_step)
 from agentfly_jax.trainer.checkpoint import Checkpointer
 from agentfly_jax.trainer.config import OptimizerConfig, TrainConfig
 from agentfly_jax.trainer.export import export_policy
@@ -268,18 +269,27 @@ def rollout(run: Run, step: int):
     advantage signal) and further rounds of tasks are rolled out until `tasks_per_step` groups with signal are
     in hand or `dynamic_sampling_max_rounds` extra rounds are spent; the batch is then topped up with dropped
     groups so that every step trains on `tasks_per_step` groups. Groups are renumbered, so a task drawn twice
-    makes two groups."""
+    makes two groups.
+
+    Chains that ended in a runtime error (chain_error) are left out of both lists before anything else
+    (`batch.drop_failed_chains`: their groups go on with the chains that remain) and counted as
+    `rollout/chain_errors_dropped`; a step that has no chain left stops the run with the first error."""
     cfg = run.config
     rl = cfg.rl
+    failed = []
 
     def sample(tasks, round_index):
-        return run.runner.run(run.agent.run(tasks, num_chains=rl.chains_per_task,
-                                            seed=cfg.seed * 7919 + step + 1_000_033 * round_index,
-                                            progress=cfg.progress))
+        kept, dropped = drop_failed_chains(run.runner.run(run.agent.run(
+            tasks, num_chains=rl.chains_per_task, seed=cfg.seed * 7919 + step + 1_000_033 * round_index,
+            progress=cfg.progress)))
+        failed.extend(dropped)
+        return kept
 
     if not rl.dynamic_sampling:
         trajectories = sample(_step_tasks(run, step), 0)
-        return trajectories, trajectories, {}
+        if not trajectories:
+            raise no_chains_left_error(failed, step)
+        return trajectories, trajectories, {"rollout/chain_errors_dropped": float(len(failed))}
     kept, dropped, every, round_stats = [], [], [], []
     rounds = 0
     while len(kept) < rl.tasks_per_step and rounds <= rl.dynamic_sampling_max_rounds:
@@ -303,7 +313,10 @@ def rollout(run: Run, step: int):
     metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_kept": float(len(kept)),
                "dynamic_sampling/groups_dropped": float(len(dropped)),
                "dynamic_sampling/groups_filled": float(filled),
-               "dynamic_sampling/chains_sampled": float(len(every))}
+               "dynamic_sampling/chains_sampled": float(len(every)),
+               "rollout/chain_errors_dropped": float(len(failed))}
+    if not train_on:
+        raise no_chains_left_error(failed, step)
     run.agent.last_run_stats = _combine_round_stats(round_stats)  # what rollout_metrics logs: every round
     if filled:
         log.warning("step %d: dynamic sampling found %d of %d groups with reward signal in %d rounds; %d groups "

@@ -82,7 +82,7 @@ def test_dynamic_sampling_stops_at_the_cap_and_fills_with_dropped_groups():
     assert len(run.agent.runs) == 3  # the first round and at most 2 more
     assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_kept": 0.0,
                        "dynamic_sampling/groups_dropped": 12.0, "dynamic_sampling/groups_filled": 4.0,
-                       "dynamic_sampling/chains_sampled": 24.0}
+                       "dynamic_sampling/chains_sampled": 24.0, "rollout/chain_errors_dropped": 0.0}
     assert len(train_on) == 8 and len(sampled) == 24
     assert sorted({t.group_id for t in train_on}) == [0, 1, 2, 3]
 
@@ -90,7 +90,8 @@ def test_dynamic_sampling_stops_at_the_cap_and_fills_with_dropped_groups():
 def test_without_dynamic_sampling_one_round_is_trained_on_as_sampled():
     run = _run([_flat(f"f{i}") for i in range(8)])
     train_on, sampled, metrics = loop.rollout(run, step=0)
-    assert train_on is sampled and len(train_on) == 8 and metrics == {} and len(run.agent.runs) == 1
+    assert train_on is sampled and len(train_on) == 8 and len(run.agent.runs) == 1
+    assert metrics == {"rollout/chain_errors_dropped": 0.0}
 
 
 def test_extra_rounds_are_reproducible_for_a_resumed_run():

@@ -47,6 +47,8 @@ class BaseAgent(abc.ABC):
       temperature, top_p, top_k: sampling parameters passed to the backend.
       max_concurrency: most chains running at once (None: all).
       tool_timeout, max_observation_chars: defaults for tools that do not set their own.
+      reward_timeout: seconds the reward may take when it sets no `@reward(timeout=...)` (None:
+        DEFAULT_REWARD_TIMEOUT_S, 300; `math.inf`: no limit); past it the chain scores 0.0 (`timeout`).
       parallel_tool_calls: run the tool calls of one turn concurrently (True) or one after another.
       stop_token_ids: tokens that end a turn (default: the tokenizer's end-of-turn tokens).
     """
@@ -75,6 +77,7 @@ class BaseAgent(abc.ABC):
         max_observation_chars: int | None = None,
         parallel_tool_calls: bool = True,
         stop_token_ids: Sequence[int] | None = None,
+        reward_timeout: float | None = None,
     ):
         for name, value in (
             ("max_turns", max_turns),
@@ -87,6 +90,9 @@ class BaseAgent(abc.ABC):
             raise ValueError(f"max_concurrency must be a positive int or None, got {max_concurrency!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
+        for name, value in (("tool_timeout", tool_timeout), ("reward_timeout", reward_timeout)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be positive seconds (math.inf: no limit) or None, got {value!r}")
         self.backend = backend
         self.tokenizer = tokenizer
         self.tools = as_tool_table(tools)
@@ -102,6 +108,7 @@ class BaseAgent(abc.ABC):
         self.top_k = top_k
         self.max_concurrency = max_concurrency
         self.tool_timeout = tool_timeout
+        self.reward_timeout = reward_timeout
         self.max_observation_chars = max_observation_chars
         self.parallel_tool_calls = parallel_tool_calls
         #: rollout-level counters of the last `run` (chains, turns, tool calls and errors, envs, wall time)
