@@ -38,12 +38,14 @@ def main(argv) -> None:
         typed = TrainConfig.build(config)
     except ConfigError as e:
         _die(str(e))
-    from agentfly_jax.trainer.loop import train  # after flag parsing and validation: keeps --help fast
+    from agentfly_jax.trainer.loop import NonFiniteTrainingError, train  # after validation: keeps --help fast
 
     try:
         summary = train(typed)
     except ConfigError as e:  # found while building the run (environment, tools, pools), before training
         _die(str(e))
+    except NonFiniteTrainingError as e:  # the run stopped itself; its scalars and earlier checkpoints are kept
+        _die(f"training stopped: {e}", code=1)
     print(json.dumps(summary, indent=2))
     if summary.get("success_after") is not None:
         print(f"\n{summary['algorithm']}: success {summary['success_before']:.2f} -> {summary['success_after']:.2f} "
@@ -51,9 +53,9 @@ def main(argv) -> None:
               f"tensorboard --logdir {summary['workdir']}/tensorboard")
 
 
-def _die(message: str) -> None:
+def _die(message: str, code: int = 2) -> None:
     print(f"agentfly-train: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -232,6 +232,25 @@ def sharding_rules(cfg: TrainConfig):
 
 
 # ----------------------------------------------------------------------------------- backend and agent
+def probe_vllm_servers(urls, timeout: float = 5.0) -> None:
+    """ConfigError naming every server of `config.vllm.urls` that does not answer GET /health: found at start,
+    not after the SFT warm start and the first evaluation."""
+    import urllib.error
+    import urllib.request
+
+    failures = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as answer:
+                if answer.status != 200:
+                    failures.append(f"{url} (HTTP {answer.status})")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            failures.append(f"{url} ({getattr(exc, 'reason', exc)})")
+    if failures:
+        raise ConfigError(f"config.vllm.urls: {len(failures)} of {len(urls)} vLLM servers do not answer GET /health: "
+                          f"{'; '.join(failures)}; start them (scripts/start_vllm.sh) or set config.vllm.launch=True")
+
+
 def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None):
     """The rollout backend. With `backend="vllm"` and `vllm.launch=True`, the trainer starts
     `vllm.num_servers` local servers itself: the initial policy is written to `<workdir>/vllm_model` (the servers

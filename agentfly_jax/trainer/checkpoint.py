@@ -1,15 +1,38 @@
 """Orbax checkpoints of the whole training state: params, optimiser state, step, data position, RNG and the
-backend's weight version. A corrupt or partial checkpoint is skipped with a warning, never loaded."""
+backend's weight version.
+
+Every checkpoint carries a checksum of each array (BLAKE2b of its bytes, in the JSON metadata); a checkpoint
+that does not load, or whose restored arrays do not match their checksums (a flipped byte loads silently
+otherwise), is skipped with a warning and moved aside to `<directory>.corrupt/`, so that the step retrained
+after it is saved again. Arrays that span several processes (multi-host) are not checksummed: only what this
+process can read whole."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
+import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+def checksums(tree: Any) -> dict[str, str]:
+    """{leaf path: BLAKE2b-128 of dtype, shape and bytes} of the arrays of `tree` this process holds whole."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            continue
+        value = np.ascontiguousarray(jax.device_get(leaf))
+        digest = hashlib.blake2b(f"{value.dtype}{value.shape}".encode(), digest_size=16)
+        digest.update(value.tobytes())
+        out[jax.tree_util.keystr(path)] = digest.hexdigest()
+    return out
 
 
 class Checkpointer:
@@ -20,23 +43,26 @@ class Checkpointer:
         self.every = int(every)
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self.skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints restore_latest did not trust
 
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
 
     def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
-        """Writes `state` (a pytree of arrays) and `meta` (JSON) for `step`; waits until it is on disk.
-        A step that already has a checkpoint is left as it is (returns False)."""
+        """Writes `state` (a pytree of arrays) and `meta` (JSON, with the arrays' checksums added) for `step`;
+        waits until it is on disk. A step that already has a checkpoint is left as it is (returns False)."""
         if step in self.manager.all_steps():
             return False
+        meta = {**meta, "checksums": checksums(state)}
         saved = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
         self.manager.wait_until_finished()
         return bool(saved)
 
     def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
-        """(step, state, meta) of the newest checkpoint that loads, restored with `target`'s shapes, dtypes and
-        shardings; None when there is none. Checkpoints that fail to load are skipped with a warning."""
+        """(step, state, meta) of the newest checkpoint that loads and matches its checksums, restored with
+        `target`'s shapes, dtypes and shardings; None when there is none. Broken ones are skipped with a warning
+        and moved aside."""
         self.manager.reload()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         for step in sorted(self.manager.all_steps(), reverse=True):
@@ -44,11 +70,35 @@ class Checkpointer:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
             except Exception as exc:  # noqa: BLE001 - any failure means: do not trust this checkpoint
-                log.warning("skipping checkpoint %d in %s: it does not load (%s: %s)", step, self.directory,
-                            type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+                self._skip(step, f"it does not load ({type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
                 continue
-            return step, restored["state"], dict(restored["meta"])
+            meta = dict(restored["meta"])
+            expected = meta.pop("checksums", None)
+            if expected is None:
+                log.warning("checkpoint %d in %s has no checksums (written before they were added): loaded "
+                            "unverified", step, self.directory)
+            else:
+                actual = checksums(restored["state"])
+                bad = sorted(k for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))
+                if bad:
+                    self._skip(step, f"{len(bad)} arrays do not match their checksums (first: {', '.join(bad[:3])})")
+                    continue
+            return step, restored["state"], meta
         return None
+
+    def _skip(self, step: int, why: str) -> None:
+        """Logs and records a checkpoint that is not trusted, and moves it out of the manager's directory (to
+        `<directory>.corrupt/<step>-<time>`, kept for inspection) so that its step can be saved again."""
+        log.warning("skipping checkpoint %d in %s: %s", step, self.directory, why)
+        self.skipped.append((step, why))
+        source = os.path.join(self.directory, str(step))
+        if os.path.isdir(source):
+            aside = os.path.join(f"{self.directory}.corrupt", f"{step}-{int(time.time())}")
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            shutil.move(source, aside)
+            log.warning("moved checkpoint %d aside to %s", step, aside)
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.close()

@@ -285,7 +285,7 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    seed: int = 0
+    seed: int = knob(0, *NON_NEGATIVE)  # numpy's generators refuse negative seeds
     workdir: str = "runs/experiment"
     algorithm: str = "grpo"  # a registered recipe (agentfly_jax.algorithms.recipes)
     resume: bool = False
@@ -294,6 +294,9 @@ class TrainConfig:
     seq_buckets: tuple[int, ...] = knob((1024, 2048, 4096), lambda v: len(v) > 0 and min(v) > 0,
                                         "a non-empty tuple of positive lengths")
     row_bucket: int = knob(8, *POSITIVE)  # packed row counts round up to a multiple of this
+    # an optimiser step with a non-finite loss/gradient is skipped (counted as */nonfinite_updates); this many
+    # SFT or RL steps in a row with such a skip stop the run with an error
+    max_nonfinite_steps: int = knob(3, *POSITIVE)
     backend: str = knob("jax", *_one_of("jax", "vllm"))
     chat_template: str = ""  # "": the tokenizer's own; a template name such as "qwen2.5"
     sharding_rules: tuple = ()  # (): agentfly_jax.models.sharding.DEFAULT_RULES

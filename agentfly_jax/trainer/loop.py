@@ -75,6 +75,47 @@ class Run:
     trainable: Any = None  # which policy parameters are trained (LoRA: the adapters); None: all
 
 
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced non-finite numbers (loss, gradients or parameters) and the run was stopped."""
+
+
+class _NonFiniteGuard:
+    """Counts steps in a row whose optimiser updates were skipped for non-finite numbers (update.py `_apply`
+    skips them on the device) and stops the run at `limit`: a run that keeps producing NaN would otherwise go
+    on training nothing, and checkpoint and export whatever it has."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_row = limit, 0
+
+    def observe(self, skipped: float, stage: str, step: int, updates: int) -> None:
+        if not skipped:
+            self.in_row = 0
+            return
+        self.in_row += 1
+        log.warning("%s step %d: %d of %d optimiser updates skipped (non-finite loss or gradients); %d step(s) in "
+                    "a row, the run stops at %d (config.max_nonfinite_steps)", stage, step, int(skipped), updates,
+                    self.in_row, self.limit)
+        if self.in_row >= self.limit:
+            raise NonFiniteTrainingError(
+                f"{stage} step {step}: the loss or gradients were not finite in {self.in_row} steps in a row "
+                f"(config.max_nonfinite_steps={self.limit}); the skipped updates left the parameters as they were, "
+                "nothing non-finite was saved. Look for a learning rate too high for the model "
+                f"(config.{'sft.' if stage == 'sft' else ''}optimizer.learning_rate), a division by a tiny number "
+                "(config.loss.temperature), or rewards/advantages that are not finite")
+
+
+def _check_finite(tree, what: str) -> None:
+    """Refuses to save or export `tree` when any floating-point value in it is NaN or infinite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    finite = jax.device_get(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else np.ones(0, bool)
+    if not bool(np.all(finite)):
+        paths = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+                 if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+        bad = [p for p, ok in zip(paths, finite) if not ok]
+        raise NonFiniteTrainingError(f"refusing to {what}: {len(bad)} tensors hold NaN or inf "
+                                     f"(first: {', '.join(bad[:3])})")
+
+
 def _optimizer(cfg: OptimizerConfig):
     return make_optimizer(cfg), learning_rate_schedule(cfg)
 
@@ -84,6 +125,8 @@ def setup(config, workdir: str | None = None) -> Run:
     """Validates the config (a ConfigDict, dict or TrainConfig) and builds everything a run holds."""
     cfg = TrainConfig.build(config)  # a TrainConfig instance is checked again too
     alg = cfg.resolved_algorithm()
+    if cfg.backend == "vllm" and not cfg.vllm.launch:
+        builders.probe_vllm_servers(cfg.vllm.urls)
     workdir = workdir or cfg.workdir
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as fh:
@@ -174,6 +217,7 @@ def run_sft(run: Run) -> dict:
                             trainable=run.trainable)
     rng = np.random.default_rng(cfg.seed + 11)
     metrics, step = {}, 0
+    guard = _NonFiniteGuard(cfg.max_nonfinite_steps)
     bar = tqdm(total=sum(s for s, _ in stages), desc="sft", disable=not cfg.progress)
     for stage_steps, encoded in stages:
         if len(encoded) < cfg.sft.batch_size:
@@ -188,6 +232,7 @@ def run_sft(run: Run) -> dict:
             bar.update()
             if step % cfg.log_every == 0:
                 run.writer.scalars(step, jax.device_get(metrics))
+            guard.observe(float(metrics["sft/nonfinite"]), "sft", step, 1)
     bar.close()
     run.state = run.state.replace(policy=run.state.policy.replace(params=state.policy.params))
     if run.state.ref_params is not None:  # the KL reference is the warm-started policy
@@ -376,11 +421,16 @@ def update(run: Run, batch: UpdateBatch, step: int) -> dict:
     mini-batch; returns the last mini-batch's metrics."""
     cfg = run.config
     rng = np.random.default_rng([cfg.seed, step, 1])  # its own stream: not the next step's assignment
-    metrics = {}
+    metrics, skipped = {}, []
     for _ in range(cfg.rl.ppo_epochs):
         for k in rng.permutation(batch.num_minibatches):
             with _mesh_context(run):
                 run.state, metrics = run.train_step(run.state, take_minibatch(batch.rows, int(k)))
+            skipped.append({key: v for key, v in metrics.items() if key.endswith("/nonfinite")})
+    # skipped (non-finite) optimiser steps of the whole update, not only of its last mini-batch
+    metrics = {k: v for k, v in metrics.items() if not k.endswith("/nonfinite")}
+    for key in skipped[0] if skipped else ():
+        metrics[key.replace("/nonfinite", "/nonfinite_updates")] = sum(s[key] for s in skipped)
     return metrics
 
 
@@ -444,6 +494,7 @@ def train(config, workdir: str | None = None) -> dict:
         # --- RL loop --------------------------------------------------------------------------------
         bar = tqdm(range(start_step, cfg.rl.steps), desc=f"rl/{cfg.algorithm}", initial=start_step,
                    total=cfg.rl.steps, disable=not cfg.progress)
+        nonfinite = _NonFiniteGuard(cfg.max_nonfinite_steps)
         for step in bar:
             t0 = time.perf_counter()
             trajectories, sampled, sampling_metrics = rollout(run, step)
@@ -466,6 +517,8 @@ def train(config, workdir: str | None = None) -> dict:
                        "policy_version": float(step + 1)}
             if (step + 1) % cfg.log_every == 0:
                 run.writer.scalars(step + 1, metrics)
+            nonfinite.observe(sum(v for k, v in update_metrics.items() if k.endswith("/nonfinite_updates")), "rl",
+                              step + 1, cfg.rl.ppo_epochs * batch.num_minibatches)  # after its scalars are written
             bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", kl=f"{metrics.get('policy/approx_kl', 0):.3f}")
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.rl.steps:
                 evaluate(run, step + 1)
@@ -479,6 +532,7 @@ def train(config, workdir: str | None = None) -> dict:
         # The trained policy in Hugging Face format (transformers and vLLM load it), with its tokenizer, the chat
         # template used in training and the turn's stop tokens as eos (trainer/export.py).
         final_dir = os.path.join(workdir, "final_policy")
+        _check_finite(run.state.policy.params, "export the final policy")
         export_policy(run.serving_model, jax.device_get(run.serve_params(run.state.policy.params)), run.tokenizer,
                       final_dir, stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None)
         summary = {"algorithm": cfg.algorithm, "environment": cfg.env.name or cfg.task.train_path,
@@ -526,6 +580,7 @@ def _checkpoint_tree(run: Run) -> dict:
 def _save(run: Run, step: int, eval_before: dict, force: bool = False) -> None:
     meta = {"step": step, "weight_version": step, "algorithm": run.config.algorithm,
             "eval_before": eval_before, "data_position": step * run.config.rl.tasks_per_step}
+    _check_finite(run.state, f"checkpoint step {step}")
     run.checkpointer.save(step, _checkpoint_tree(run), meta, force=force)
 
 

@@ -49,6 +49,81 @@ def test_corrupt_checkpoint_is_skipped_with_warning(tmp_path, caplog):
     assert any("skipping checkpoint 2" in r.message for r in caplog.records)
 
 
+def _largest_file(directory) -> str:
+    files = [os.path.join(root, f) for root, _, names in os.walk(directory) for f in names]
+    return max(files, key=os.path.getsize)
+
+
+def test_a_flipped_byte_is_caught_by_the_checksums_and_the_step_can_be_saved_again(tmp_path, caplog):
+    """One flipped bit in the stored array data loads without any error from orbax (the values are simply
+    wrong); the checksums catch it: the checkpoint is skipped, moved aside, and its step is saved again."""
+    import orbax.checkpoint as ocp
+
+    def tree(x):
+        return {"params": {"w": jnp.asarray(np.arange(4096, dtype=np.float32) + x)}}
+
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1)
+    ckpt.save(1, tree(1.5), {"step": 1})
+    ckpt.save(2, tree(2.5), {"step": 2})
+    ckpt.close()
+    data = _largest_file(tmp_path / "ckpt" / "2" / "state")
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x40
+    open(data, "wb").write(bytes(raw))
+    # what a plain orbax restore returns: no error, different numbers
+    plain = ocp.CheckpointManager(str(tmp_path / "ckpt"))
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree(0.0))
+    loaded = plain.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                      meta=ocp.args.JsonRestore()))
+    assert not np.array_equal(np.asarray(loaded["state"]["params"]["w"]), np.asarray(tree(2.5)["params"]["w"]))
+    plain.close()
+
+    again = Checkpointer(str(tmp_path / "ckpt"), every=1)
+    with caplog.at_level(logging.WARNING):
+        step, restored, meta = again.restore_latest(tree(0.0))
+    assert step == 1 and meta == {"step": 1}  # the checksums are checked, not handed back
+    np.testing.assert_array_equal(restored["params"]["w"], tree(1.5)["params"]["w"])
+    assert any("skipping checkpoint 2" in r.message and "checksums" in r.message for r in caplog.records)
+    assert again.skipped and again.skipped[0][0] == 2
+    assert 2 not in again.manager.all_steps()
+    assert [p.name.split("-")[0] for p in (tmp_path / "ckpt.corrupt").iterdir()] == ["2"]  # kept for inspection
+    assert again.save(2, tree(2.5), {"step": 2})  # the retrained step is written again
+    step, restored, _ = Checkpointer(str(tmp_path / "ckpt"), every=1).restore_latest(tree(0.0))
+    assert step == 2
+    np.testing.assert_array_equal(restored["params"]["w"], tree(2.5)["params"]["w"])
+
+
+def test_a_checksum_that_does_not_match_skips_the_checkpoint(tmp_path):
+    """The comparison itself: a checkpoint whose recorded checksum is not its data's is never loaded."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1)
+    ckpt.save(1, _tree(1), {"step": 1})
+    ckpt.save(2, _tree(2), {"step": 2})
+    ckpt.close()
+    meta_file = next(p for p in (tmp_path / "ckpt" / "2" / "meta").rglob("*") if p.is_file()
+                     and "checksums" in p.read_text(errors="ignore"))
+    text = meta_file.read_text()
+    first = text.index('"checksums"')
+    digit = text.index('": "', first) + 4
+    meta_file.write_text(text[:digit] + ("0" if text[digit] != "0" else "1") + text[digit + 1:])
+    step, _, _ = Checkpointer(str(tmp_path / "ckpt"), every=1).restore_latest(_tree(0))
+    assert step == 1
+
+
+def test_non_finite_state_is_never_checkpointed_or_exported():
+    """The trainer's guard before every checkpoint and the final export names the tensors that hold NaN/inf."""
+    import pytest
+
+    from agentfly_jax.trainer.loop import NonFiniteTrainingError, _check_finite
+
+    good = _tree(1)
+    _check_finite(good, "checkpoint step 1")  # ints and finite floats pass
+    for bad_value in (jnp.nan, jnp.inf, -jnp.inf):
+        bad = {**good, "params": {**good["params"], "w": good["params"]["w"].at[2, 1].set(bad_value)}}
+        with pytest.raises(NonFiniteTrainingError, match=r"refusing to checkpoint step 1: 1 tensors hold NaN or inf "
+                                                         r"\(first: \['params'\]\['w'\]\)"):
+            _check_finite(bad, "checkpoint step 1")
+
+
 def test_no_checkpoint_returns_none(tmp_path):
     assert Checkpointer(str(tmp_path / "empty"), every=1).restore_latest(_tree(0)) is None
 

@@ -193,6 +193,41 @@ def test_cli_refuses_a_misspelled_key_in_one_line_with_a_suggestion():
     assert "stesp" in lines[0] and '"steps"' in lines[0] and "Traceback" not in proc.stderr
 
 
+# The bad values an attack pass fed the trainer (some used to fail only after SFT and the first evaluation, some
+# with unreadable errors, some were accepted): each is refused by the config, in one line naming the key.
+ATTACK_TABLE = [
+    ("rl", "tasks_per_step", -4, "> 0"), ("rl", "chains_per_task", 0, "> 0"), ("rl", "mini_batches", 0, "> 0"),
+    ("eval", "num_chains", 0, "> 0"), ("rl", "micro_batches", 0, "> 0"), ("sft", "batch_size", -1, "> 0"),
+    ("model", "hidden_size", -128, "> 0"), ("optimizer", "learning_rate", -1.0, "> 0"),
+    ("checkpoint", "keep", 0, "> 0"), ("loss", "temperature", 0.0, "> 0"), (None, "seed", -1, ">= 0"),
+    (None, "max_nonfinite_steps", 0, "> 0"), ("sft", "optimizer", {"learning_rate": 0.0}, "> 0"),
+]
+
+
+@pytest.mark.parametrize("section,key,value,allowed", ATTACK_TABLE,
+                         ids=[f"{s or 'config'}.{k}" for s, k, _, _ in ATTACK_TABLE])
+def test_attack_table_of_bad_values_is_refused_naming_the_key(section, key, value, allowed):
+    def change(d):
+        (d[section] if section else d)[key] = value if not isinstance(value, dict) else {**d[section][key], **value}
+
+    message = _refused(change)
+    name = f"config.{section + '.' if section else ''}{key}"
+    if isinstance(value, dict):
+        name, value = f"{name}.learning_rate", value["learning_rate"]
+    assert message == f"{name}={value!r} is out of range; allowed: {allowed}"
+
+
+@pytest.mark.slow
+def test_an_unreachable_vllm_server_is_found_at_start_in_one_line():
+    """`config.vllm.urls` are probed (GET /health) before the model is built, SFT runs or an evaluation starts."""
+    proc, seconds = _train_cli("--config.backend=vllm", "--config.vllm.urls=('http://127.0.0.1:9',)")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("agentfly-train: config.vllm.urls: 1 of 1 vLLM servers do not answer GET /health: "
+                                "http://127.0.0.1:9 ("), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and seconds < 60, seconds
+
+
 # ========================================================================================= experiment configs
 @pytest.mark.parametrize("module,arg", [(quickstart, None), (quickstart, "cpu"), (custom_task, None),
                                         (custom_task, "cpu")])

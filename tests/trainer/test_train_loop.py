@@ -159,3 +159,28 @@ def test_kl_knob_under_a_recipe_that_ignores_it_is_refused_before_any_work(tmp_p
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "config.advantage.kl_in_reward_coef" in lines[0] and "'grpo'" in lines[0], lines
     assert not os.path.exists(tmp_path / "config.json")
+
+
+@pytest.mark.slow
+def test_non_finite_training_stops_with_a_clear_error_and_saves_nothing_broken(tmp_path):
+    """An SFT learning rate of 1e30 blows the parameters up after one step; the following steps have NaN
+    losses. They are skipped (parameters untouched), counted in the scalars, and the run stops after
+    `max_nonfinite_steps` in a row with exit code 1 and a one-line reason; no checkpoint or final policy is
+    written from the broken state."""
+    workdir = tmp_path / "nan"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "agentfly_jax.train", "--config", "experiments/quickstart.py:cpu",
+         f"--config.workdir={workdir}", "--config.sft.stages=((6, 1.0),)", "--config.sft.optimizer.decay_steps=6",
+         "--config.sft.optimizer.learning_rate=1e30", "--config.max_nonfinite_steps=2",
+         "--config.eval.before_sft=False", "--config.progress=False"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("agentfly-train: training stopped: sft step ") and "config.max_nonfinite_steps=2" in last
+    assert "config.sft.optimizer.learning_rate" in last
+    scalars = read_scalars(str(workdir / "tensorboard"))
+    skipped = dict(scalars["sft/nonfinite"])
+    assert skipped[1] == 0.0 and sum(skipped.values()) == 2.0 and max(skipped) < 6  # stopped before the end
+    assert not (workdir / "final_policy").exists() and not (workdir / "summary.json").exists()
+    assert not any((workdir / "checkpoints").iterdir()) if (workdir / "checkpoints").exists() else True

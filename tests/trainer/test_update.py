@@ -265,6 +265,29 @@ def test_update_raises_logprob_of_positive_advantage_tokens(policy):
     assert (gain[sign < 0] < -1.0).all(), gain
 
 
+def test_a_non_finite_step_is_skipped_and_counted(policy):
+    """NaN in the batch (here: the advantages) makes the loss and gradients NaN: that optimiser step leaves the
+    parameters and the optimiser state exactly as they were and reports policy/nonfinite = 1; the next finite
+    step trains normally (Adam's moments were not poisoned)."""
+    model, params = policy
+    arrays, lengths = _multi_turn_batch(5)
+    batch = _pack(arrays, lengths, rewards=np.arange(8, dtype=np.float32), group_ids=np.repeat(np.arange(2), 4))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2))
+    state = create_train_state(_fresh(params), optimizer)
+    alg = _alg("grpo")
+    filled, _ = make_prepare_fn(model, alg)(state, batch)
+    step = make_train_step(model, alg, optimizer)
+    poisoned = filled.rows.replace(advantages=filled.rows.advantages.at[0, 0, 0].set(jnp.nan))
+    before = jax.tree.map(np.asarray, (state.policy.params, state.policy.opt_state))
+    state, metrics = step(state, take_minibatch(poisoned, 0))
+    assert float(metrics["policy/nonfinite"]) == 1.0 and not np.isfinite(float(metrics["policy/grad_norm"]))
+    jax.tree.map(np.testing.assert_array_equal, (state.policy.params, state.policy.opt_state), before)
+    state, metrics = step(state, take_minibatch(filled.rows, 0))
+    assert float(metrics["policy/nonfinite"]) == 0.0
+    assert _max_diff(state.policy.params, before[0]) > 1e-4
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.policy.opt_state))
+
+
 def test_ppo_critic_fits_returns(policy):
     """PPO through prepare: reward 0.7 for every trajectory, gamma = lam = 1, no KL: the returns are 0.7 on
     every action token, and fifteen steps fit the zero-initialised critic to them."""
