@@ -13,6 +13,7 @@ code turned into an ordinary exception, so that user code can neither hang a cha
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import math
@@ -97,15 +98,54 @@ async def _call_async(function: Any, kwargs: dict[str, Any]) -> Any:
         raise CallRaisedBaseException(error) from error
 
 
-# At most this many sync calls run at once (more wait for a slot); an abandoned call gives its slot back, so
-# hung code cannot use up the slots and stall every later call.
+# At most this many sync calls run at once; more wait for a slot without a thread of their own (a thread is
+# started only when a slot is handed to the call). An abandoned call gives its slot back, so hung code cannot
+# use up the slots and stall every later call.
 SYNC_CALL_SLOTS = 64
-_sync_slots = threading.BoundedSemaphore(SYNC_CALL_SLOTS)
+
+
+class _Slots:
+    """Slots for sync calls, handed over first come, first served: `release` starts the oldest waiting call on
+    the slot it frees (from whichever thread frees it)."""
+
+    def __init__(self, count: int):
+        self._free = count
+        self._waiting: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+
+    def take(self, call: "_SyncCall") -> bool:
+        """True when a slot was free (now the call's); otherwise the call waits for `release` to start it."""
+        with self._lock:
+            if self._free > 0 and not self._waiting:
+                self._free -= 1
+                return True
+            self._waiting.append(call)
+            return False
+
+    def release(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._free += 1
+                    return
+                call = self._waiting.popleft()
+            if call._begin():  # a call stopped while it waited does not take the slot: try the next
+                return
+
+    def discard(self, call: "_SyncCall") -> None:
+        with self._lock:
+            try:
+                self._waiting.remove(call)
+            except ValueError:
+                pass
+
+
+_sync_slots = _Slots(SYNC_CALL_SLOTS)
 
 
 class _SyncCall:
     """One sync call on its own daemon thread (a hung one neither blocks the event loop nor keeps the process
-    from exiting), its outcome delivered to an asyncio future of the calling loop."""
+    from exiting), started when it gets a slot, its outcome delivered to an asyncio future of the calling loop."""
 
     def __init__(self, function: Any, kwargs: dict[str, Any], loop: asyncio.AbstractEventLoop):
         self.future: asyncio.Future = loop.create_future()
@@ -113,33 +153,41 @@ class _SyncCall:
         self._lock = threading.Lock()
         self._state = "queued"  # -> running -> finished; queued -> dropped; running -> abandoned
         self._holds_slot = False
-        self._thread = threading.Thread(
-            target=self._run, args=(function, kwargs), name="agentfly-sync-call", daemon=True
-        )
-        self._thread.start()
+        self._function, self._kwargs = function, kwargs
+        if _sync_slots.take(self):
+            self._begin()
 
-    def _run(self, function: Any, kwargs: dict[str, Any]) -> None:
-        _sync_slots.acquire()
+    def _begin(self) -> bool:
+        """Starts the call on a slot just taken for it; False (the slot is not used) when it was stopped while
+        it waited."""
         with self._lock:
-            if self._state != "queued":  # stopped before it got a slot
-                _sync_slots.release()
-                return
+            if self._state != "queued":
+                return False
             self._state, self._holds_slot = "running", True
+        try:
+            threading.Thread(target=self._run, name="agentfly-sync-call", daemon=True).start()
+        except RuntimeError as error:  # no thread to be had (the process's thread limit): the call fails
+            self._finish(None, error)
+        return True
+
+    def _run(self) -> None:
         error: BaseException | None = None
         value = None
         try:
-            value = _call_sync(function, kwargs)
+            value = _call_sync(self._function, self._kwargs)
         except BaseException as raised:  # noqa: BLE001 - handed to the caller
             error = raised
-        finally:
-            with self._lock:
-                if self._holds_slot:
-                    _sync_slots.release()
-                    self._holds_slot = False
-                abandoned = self._state == "abandoned"
-                self._state = "finished"
-            if abandoned:
-                _forget(self)
+        self._finish(value, error)
+
+    def _finish(self, value: Any, error: BaseException | None) -> None:
+        with self._lock:
+            give_back, self._holds_slot = self._holds_slot, False
+            abandoned = self._state == "abandoned"
+            self._state = "finished"
+        if give_back:
+            _sync_slots.release()
+        if abandoned:
+            _forget(self)
         try:
             self._loop.call_soon_threadsafe(self._deliver, value, error)
         except RuntimeError:
@@ -160,14 +208,19 @@ class _SyncCall:
         with self._lock:
             if self._state == "queued":
                 self._state = "dropped"
+                dropped = True
+            elif self._state != "running":
                 return False
-            if self._state != "running":
-                return False
-            self._state = "abandoned"
-            if self._holds_slot:
-                _sync_slots.release()
-                self._holds_slot = False
-            _abandon(self)  # under the lock: the thread's `_forget` at its end comes after
+            else:
+                dropped = False
+                self._state = "abandoned"
+                give_back, self._holds_slot = self._holds_slot, False
+                _abandon(self)  # under the lock: the thread's `_forget` at its end comes after
+        if dropped:
+            _sync_slots.discard(self)
+            return False
+        if give_back:
+            _sync_slots.release()
         return True
 
 

@@ -238,10 +238,11 @@ def probe_vllm_servers(urls, timeout: float = 5.0) -> None:
     import urllib.error
     import urllib.request
 
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # as the backend: no proxy variables
     failures = []
     for url in urls:
         try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout) as answer:
+            with opener.open(f"{url.rstrip('/')}/health", timeout=timeout) as answer:
                 if answer.status != 200:
                     failures.append(f"{url} (HTTP {answer.status})")
         except (urllib.error.URLError, OSError, ValueError) as exc:

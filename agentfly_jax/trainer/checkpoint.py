@@ -3,11 +3,14 @@ backend's weight version.
 
 Every checkpoint carries a checksum of each array (BLAKE2b of its bytes, in the JSON metadata); a checkpoint
 that does not load, or whose restored arrays do not match their checksums (a flipped byte loads silently
-otherwise), is skipped with a warning and moved aside to `<directory>.corrupt/`, so that the step retrained
-after it is saved again. Arrays that span several processes (multi-host) are not checksummed: only what this
-process can read whole."""
+otherwise), is skipped with a warning and the next older one is tried. Nothing is deleted at restore (a load
+can also fail for a passing reason); when the run retrains a skipped step and saves it, the broken copy is
+moved aside to `<directory>.corrupt/` first (by process 0; on non-local storage it is deleted). Arrays that
+span several processes (multi-host) are not checksummed, only what one process holds whole, and only arrays
+checksummed both at save and at restore are compared (a restore on another topology does not fail them)."""
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -22,17 +25,20 @@ import orbax.checkpoint as ocp
 log = logging.getLogger(__name__)
 
 
+def _digest(leaf) -> str:
+    value = np.ascontiguousarray(jax.device_get(leaf))
+    digest = hashlib.blake2b(f"{value.dtype}{value.shape}".encode(), digest_size=16)
+    digest.update(value.data if value.flags.c_contiguous and value.nbytes else value.tobytes())
+    return digest.hexdigest()
+
+
 def checksums(tree: Any) -> dict[str, str]:
-    """{leaf path: BLAKE2b-128 of dtype, shape and bytes} of the arrays of `tree` this process holds whole."""
-    out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            continue
-        value = np.ascontiguousarray(jax.device_get(leaf))
-        digest = hashlib.blake2b(f"{value.dtype}{value.shape}".encode(), digest_size=16)
-        digest.update(value.tobytes())
-        out[jax.tree_util.keystr(path)] = digest.hexdigest()
-    return out
+    """{leaf path: BLAKE2b-128 of dtype, shape and bytes} of the arrays of `tree` this process holds whole
+    (hashed in threads: hashlib releases the GIL on large buffers)."""
+    leaves = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+              if not (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip((k for k, _ in leaves), pool.map(_digest, (v for _, v in leaves))))
 
 
 class Checkpointer:
@@ -52,7 +58,10 @@ class Checkpointer:
         """Writes `state` (a pytree of arrays) and `meta` (JSON, with the arrays' checksums added) for `step`;
         waits until it is on disk. A step that already has a checkpoint is left as it is (returns False)."""
         if step in self.manager.all_steps():
-            return False
+            if step not in {s for s, _ in self.skipped}:
+                return False
+            self._move_aside(step)  # a broken checkpoint of a step the run has now trained again
+            self.skipped = [(s, why) for s, why in self.skipped if s != step]
         meta = {**meta, "checksums": checksums(state)}
         saved = self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
@@ -80,7 +89,7 @@ class Checkpointer:
                             "unverified", step, self.directory)
             else:
                 actual = checksums(restored["state"])
-                bad = sorted(k for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))
+                bad = sorted(k for k in expected.keys() & actual.keys() if expected[k] != actual[k])
                 if bad:
                     self._skip(step, f"{len(bad)} arrays do not match their checksums (first: {', '.join(bad[:3])})")
                     continue
@@ -88,16 +97,23 @@ class Checkpointer:
         return None
 
     def _skip(self, step: int, why: str) -> None:
-        """Logs and records a checkpoint that is not trusted, and moves it out of the manager's directory (to
-        `<directory>.corrupt/<step>-<time>`, kept for inspection) so that its step can be saved again."""
+        """Logs and records a checkpoint that is not trusted (restore goes on to an older one)."""
         log.warning("skipping checkpoint %d in %s: %s", step, self.directory, why)
         self.skipped.append((step, why))
-        source = os.path.join(self.directory, str(step))
-        if os.path.isdir(source):
-            aside = os.path.join(f"{self.directory}.corrupt", f"{step}-{int(time.time())}")
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            shutil.move(source, aside)
-            log.warning("moved checkpoint %d aside to %s", step, aside)
+
+    def _move_aside(self, step: int) -> None:
+        """Moves a skipped checkpoint out of the manager's directory (to `<directory>.corrupt/<step>-<time>`,
+        kept for inspection; deleted on non-local storage) so that its step can be saved again."""
+        if jax.process_index() == 0:
+            source = os.path.join(self.directory, str(step))
+            if os.path.isdir(source):
+                aside = os.path.join(f"{self.directory}.corrupt", f"{step}-{int(time.time())}")
+                os.makedirs(os.path.dirname(aside), exist_ok=True)
+                shutil.move(source, aside)
+                log.warning("moved the broken checkpoint %d aside to %s", step, aside)
+            else:
+                self.manager.delete(step)
+                log.warning("deleted the broken checkpoint %d in %s", step, self.directory)
         self.manager.reload()
 
     def close(self) -> None:

@@ -175,13 +175,16 @@ def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation, train
     """One optimiser step; with `trainable`, `grads` and the optimiser state cover those leaves only and the
     rest of the parameters pass through unchanged (norms are of the trained leaves).
 
-    A step whose gradients or updates are not finite (a NaN/inf loss, an overflow) is skipped: parameters and
-    optimiser state stay as they were (Adam's moments would otherwise carry the NaN into every later step) and
-    the `nonfinite` metric is 1. The trainer counts these and stops a run that keeps producing them."""
+    A step whose gradients are not finite (a NaN/inf loss, an overflow) is skipped: parameters and optimiser
+    state stay as they were (Adam's moments would otherwise carry the NaN into every later step) and the
+    `nonfinite` metric is 1. The trainer counts these and stops a run that keeps producing them. The decision
+    depends on the gradients alone (known before the update), so the select stays elementwise with the
+    update and XLA can still write the new moments over the donated old ones."""
     trained, frozen = (ms.params, None) if trainable is None else lora.split_trainable(ms.params, trainable)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, ms.opt_state, trained)
-    grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
-    finite = jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+    update_norm = optax.tree.norm(updates)
     new = optax.apply_updates(trained, updates)
     new, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new, opt_state), (trained, ms.opt_state))
     return ModelState(params=new if frozen is None else lora.combine(new, frozen), opt_state=opt_state), {

@@ -114,6 +114,8 @@ def encode(value, depth=0):
         return ["f", float.hex(float(value))]
     if isinstance(value, numbers.Complex):
         return ["c", float.hex(complex(value).real), float.hex(complex(value).imag)]
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":  # not a numbers.Number
+        return ["b", bool(value)]
     raise TypeError(
         "a %s cannot pass between the tests and the solution (only plain data can)" % type(value).__name__
     )
@@ -390,16 +392,17 @@ def _bind_names(namespace, solution, sources):
 
     wanted = {n for n in _referenced_names(sources) if n not in namespace and not hasattr(builtins, n)}
     stdlib = getattr(sys, "stdlib_module_names", ())
-    for name in sorted(wanted):
-        if name in stdlib:
-            namespace[name] = importlib.import_module(name)
-    wanted = {n for n in wanted if n not in namespace}
-    if not wanted or solution.dead is not None:
-        return
-    described = solution.describe(wanted)
+    # the solution's own names first: a solution function called `array` or `queue` is the solution's, not
+    # the module; a referenced name the solution does not define may be a standard-library module
+    described = solution.describe(wanted) if wanted and solution.dead is None else {}
     for name in sorted(wanted):
         about = described.get(name)
-        if not isinstance(about, dict):
+        if not isinstance(about, dict) or about.get("kind") not in ("callable", "value", "module"):
+            if name in stdlib:
+                try:
+                    namespace[name] = importlib.import_module(name)
+                except ImportError:  # a module this interpreter lacks: the name stays unbound (a NameError)
+                    pass
             continue
         if about.get("kind") == "callable":
             namespace[name] = _Proxy(solution, name)
@@ -408,8 +411,15 @@ def _bind_names(namespace, solution, sources):
                 namespace[name] = decode(about.get("value"))
             except (ValueError, TypeError, OverflowError, decimal.InvalidOperation):
                 pass
-        elif about.get("kind") == "module" and about.get("module") in stdlib:
-            namespace[name] = importlib.import_module(about["module"])
+        elif about.get("kind") == "module":
+            # a standard-library name is always its own module for the tests (`import fractions as math`
+            # in the solution does not change what `math` means in them)
+            module = name if name in stdlib else about.get("module")
+            if module in stdlib:
+                try:
+                    namespace[name] = importlib.import_module(module)
+                except ImportError:
+                    pass
 
 
 def _describe_failure(error):

@@ -384,7 +384,7 @@ def test_an_async_tool_that_honours_cancellation_is_not_counted_as_abandoned():
 
 def test_hung_sync_tools_give_their_worker_slot_back(monkeypatch):
     """One slot: a hung sync tool is abandoned at its limit and its slot goes to the next call."""
-    monkeypatch.setattr(execute_module, "_sync_slots", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(execute_module, "_sync_slots", execute_module._Slots(1))
     release = threading.Event()
 
     @tool(timeout=0.2)
@@ -406,6 +406,45 @@ def test_hung_sync_tools_give_their_worker_slot_back(monkeypatch):
         assert after.ok and after.observation == "quick answer", after
     finally:
         release.set()
+
+
+def test_sync_calls_waiting_for_a_slot_hold_no_thread(monkeypatch):
+    """Two slots, twelve concurrent sync calls: only two worker threads exist while the first two block; the
+    rest wait without a thread and run in order as slots free up; every call returns its own answer."""
+    monkeypatch.setattr(execute_module, "_sync_slots", execute_module._Slots(2))
+    gate = threading.Event()
+    started = []
+
+    @tool(timeout=30.0)
+    def slow(i: int) -> str:
+        """Waits for the gate, then answers.
+
+        Args:
+            i: The call's number.
+        """
+        started.append(i)
+        gate.wait(20)
+        return f"answer {i}"
+
+    def workers():
+        return sum(t.name == "agentfly-sync-call" and t.is_alive() for t in threading.enumerate())
+
+    async def main():
+        calls = [asyncio.ensure_future(execute_tool_call({"name": "slow", "arguments": {"i": i}}, [slow]))
+                 for i in range(12)]
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(started) == 2:
+                break
+        seen = (workers(), sorted(started))
+        gate.set()
+        return seen, await asyncio.gather(*calls)
+
+    before = workers()
+    (threads, first), results = asyncio.run(main())
+    assert threads - before == 2 and first == [0, 1]
+    assert [r.observation for r in results] == [f"answer {i}" for i in range(12)]
+    assert started[:2] == [0, 1] and sorted(started) == list(range(12))
 
 
 def test_a_process_with_a_hung_sync_tool_still_exits():

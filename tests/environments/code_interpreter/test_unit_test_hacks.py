@@ -97,6 +97,24 @@ def test_correct_partial_and_wrong_code(loop, backend, style):
     assert (wrong["reward"], wrong["tests_passed"]) == (0.0, 0 if style == "humaneval" else 1)  # [] * 5 == []
 
 
+# A correct solution whose function is named like a standard-library module (MBPP has such names) is the
+# solution's function for the tests, not the module; a stdlib module the tests use keeps its meaning even when
+# the solution binds another module to that name.
+STDLIB_NAMED = {
+    "test_setup_code": "import math",
+    "test_list": ["assert array(3) == [0, 0, 0]", "assert queue([1, 2]) == [2, 1]",
+                  "assert math.isclose(math.sqrt(array(4).count(0)), 2.0)"],
+}
+STDLIB_NAMED_SOLUTION = ("import fractions as math\n"
+                         "def array(n):\n    return [0] * n\n"
+                         "def queue(items):\n    return list(reversed(items))\n")
+
+
+def test_solution_functions_named_like_stdlib_modules(loop, backend):
+    result = score(loop, backend, STDLIB_NAMED_SOLUTION, STDLIB_NAMED)
+    assert (result["reward"], result["tests_passed"], result["tests_total"]) == (1.0, 3, 3), result
+
+
 def test_what_the_solution_prints_does_not_count(loop):
     printing = "print('debug output')\n" + CORRECT.replace("    return", "    print('called')\n    return")
     result = score(loop, "bwrap", printing, MBPP)
