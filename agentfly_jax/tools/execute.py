@@ -16,6 +16,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import math
 import re
 import threading
@@ -47,6 +48,8 @@ TOOL_ERROR_KINDS = (
 )
 
 #: Defaults used when neither the tool nor the caller sets a limit.
+logger = logging.getLogger(__name__)
+
 DEFAULT_TOOL_TIMEOUT_S = 60.0
 DEFAULT_MAX_OBSERVATION_CHARS = 8192
 
@@ -222,6 +225,19 @@ class _SyncCall:
         if give_back:
             _sync_slots.release()
         return True
+
+
+def _retire(env: Any) -> bool:
+    """Marks the environment an abandoned call may still be using as used up (`retired = True`): the resource
+    manager destroys it at release instead of handing it, still being changed, to another chain."""
+    if env is None:
+        return False
+    try:
+        env.retired = True
+    except (AttributeError, TypeError):
+        logger.warning("an abandoned call's environment %r cannot be marked retired; it may be reused", env)
+        return False
+    return True
 
 
 async def run_sync(function: Any, /, **kwargs: Any) -> Any:
@@ -536,10 +552,12 @@ async def _execute_tool_call(
         else:
             result = await _run_with_timeout(tool, arguments_in, limit_s)
     except CallTimedOut as stopped:
+        retired = stopped.abandoned and _retire(arguments_in.get(ENV_PARAMETER))
         return _failure(
             "timeout",
             f"tool '{tool.name}' did not finish within {limit_s:g} s and was stopped"
-            + (" (it ignored being cancelled and was abandoned)" if stopped.abandoned else ""),
+            + (" (it ignored being cancelled and was abandoned)" if stopped.abandoned else "")
+            + ("; its environment will not be reused after this episode" if retired else ""),
             name=tool.name,
             arguments=arguments,
             latency_s=time.perf_counter() - started,

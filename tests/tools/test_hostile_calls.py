@@ -447,6 +447,62 @@ def test_sync_calls_waiting_for_a_slot_hold_no_thread(monkeypatch):
     assert started[:2] == [0, 1] and sorted(started) == list(range(12))
 
 
+class _Counter:
+    """A pooled environment: a counter the tool changes."""
+
+    def __init__(self):
+        self.value = 0
+
+    async def reset(self):
+        self.value = 0
+
+    async def health_check(self):
+        return True
+
+    async def close(self):
+        pass
+
+
+def test_an_abandoned_call_retires_its_environment():
+    """A stateful tool abandoned at its limit may still be changing its environment: the real resource manager
+    destroys that instance at release instead of handing it to the next chain; a call that ended normally
+    leaves its instance to be reused."""
+    from agentfly_jax.envs.manager import PoolConfig, ResourceManager
+    from agentfly_jax.tools.context import ToolContext
+
+    gate = threading.Event()
+
+    @tool(stateful=True, pool="counters", timeout=0.2)
+    def bump(env, hang: bool) -> str:
+        """Adds one to the counter (and, if asked, keeps changing it after its limit).
+
+        Args:
+            hang: Keep running past the limit.
+        """
+        env.value += 1
+        while hang and not gate.wait(0.01):
+            env.value += 1
+        return str(env.value)
+
+    async def scenario():
+        manager = ResourceManager({"counters": PoolConfig(factory=_Counter, max_size=4)})
+        try:
+            results = []
+            for i, hang in enumerate((False, True)):
+                async with ToolContext({}, env_provider=manager, key=f"chain-{i}") as context:
+                    results.append(await execute_tool_call({"name": "bump", "arguments": {"hang": hang}},
+                                                           [bump], context=context))
+            return results, manager.metrics("counters")
+        finally:
+            gate.set()
+            await manager.close()
+
+    (fine, hung), metrics = asyncio.run(scenario())
+    assert fine.ok and fine.observation == "1"
+    assert_failure(hung, "timeout", "abandoned", "its environment will not be reused")
+    assert metrics["retired"] == 1  # only the instance of the abandoned call; the other went back to the pool
+
+
 def test_a_process_with_a_hung_sync_tool_still_exits():
     """A sync call abandoned at its limit runs on a daemon thread: the process ends when its work is done."""
     script = textwrap.dedent(
