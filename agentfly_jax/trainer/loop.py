@@ -405,10 +405,16 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     arrays = trajectories_to_batch(trajectories, pad_to=choose_bucket(max(t.length for t in trajectories),
                                                                        cfg.seq_buckets))
     shaping = overlong_shaping(run, arrays)
-    minibatch = assign_minibatches(len(trajectories), cfg.rl.mini_batches, np.random.default_rng([cfg.seed, step, 0]))
+    # fewer trajectories than mini-batches (failed chains were dropped): no empty mini-batch (Adam's momentum
+    # would move the parameters on its zero gradient)
+    mini_batches = min(cfg.rl.mini_batches, len(trajectories))
+    if mini_batches < cfg.rl.mini_batches:
+        log.warning("step %d: %d trajectories for %d mini-batches; this step uses %d", step, len(trajectories),
+                    cfg.rl.mini_batches, mini_batches)
+    minibatch = assign_minibatches(len(trajectories), mini_batches, np.random.default_rng([cfg.seed, step, 0]))
     batch = pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
                       rewards=arrays["rewards"], group_ids=arrays["group_ids"], minibatch=minibatch,
-                      num_minibatches=cfg.rl.mini_batches, micro_batches=cfg.rl.micro_batches,
+                      num_minibatches=mini_batches, micro_batches=cfg.rl.micro_batches,
                       rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
                       micro_batch_tokens=cfg.rl.micro_batch_tokens)
     with _mesh_context(run):

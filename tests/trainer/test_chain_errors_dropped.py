@@ -129,3 +129,21 @@ def test_a_step_whose_every_chain_failed_stops_with_the_first_error(qwen_tokeniz
     with pytest.raises(RuntimeError, match=r"RL step 5: all 4 chains ended in a runtime error .*ConnectionError: "
                                            r"engine lost the request"):
         loop.rollout(run, step=5)
+
+
+def test_fewer_chains_left_than_mini_batches_make_no_empty_mini_batch(qwen_tokenizer):
+    """Four chains for four mini-batches, one fails: the step is split into three mini-batches of one
+    trajectory each, not four with an empty one (whose zero gradient Adam's momentum would still apply)."""
+    from agentfly_jax.trainer import builders
+
+    run = make_run(qwen_tokenizer, {"one fails": ["error", "yes"], "signal": ["yes", "no"]}, mini_batches=4)
+    try:
+        train_on, _, metrics = loop.rollout(run, 0)
+    finally:
+        run.runner.close()
+    assert len(train_on) == 3 and metrics["rollout/chain_errors_dropped"] == 1.0
+    run.mesh, run.rules, run.state = builders.build_mesh(run.config), builders.sharding_rules(run.config), None
+    run.prepare_fn = lambda state, batch: (batch, {})  # the packed batch as prepare would receive it
+    batch, _ = loop.make_batch(run, train_on, 0)
+    assert batch.num_minibatches == 3
+    assert sorted(np.bincount(np.asarray(batch.minibatch), minlength=3).tolist()) == [1, 1, 1]
