@@ -290,7 +290,10 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
                 micro_batches)
             critic, opt_metrics = _apply(critic, grads, critic_opt)
             metrics.update({f"critic/{k}": v for k, v in {**critic_metrics, **opt_metrics}.items()})
-        new_state = state.replace(step=state.step + 1, policy=policy, critic=critic)
+        # a skipped (non-finite) policy update does not advance the step: it stays the optimiser's count, so
+        # the logged learning rate is the one its schedule applies
+        taken = (1.0 - metrics["policy/nonfinite"]).astype(state.step.dtype)
+        new_state = state.replace(step=state.step + taken, policy=policy, critic=critic)
         return new_state, metrics
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
@@ -313,7 +316,7 @@ def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chu
         out = {f"sft/{k}": v for k, v in {**metrics, **opt_metrics}.items()}
         if lr_schedule is not None:
             out["sft/learning_rate"] = lr_schedule(state.step)
-        return state.replace(step=state.step + 1, policy=policy), out
+        return state.replace(step=state.step + (1.0 - out["sft/nonfinite"]).astype(state.step.dtype), policy=policy), out
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings)

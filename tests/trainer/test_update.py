@@ -282,8 +282,9 @@ def test_a_non_finite_step_is_skipped_and_counted(policy):
     state, metrics = step(state, take_minibatch(poisoned, 0))
     assert float(metrics["policy/nonfinite"]) == 1.0 and not np.isfinite(float(metrics["policy/grad_norm"]))
     jax.tree.map(np.testing.assert_array_equal, (state.policy.params, state.policy.opt_state), before)
+    assert int(state.step) == 0  # the step count stays the optimiser's (the schedule's) count
     state, metrics = step(state, take_minibatch(filled.rows, 0))
-    assert float(metrics["policy/nonfinite"]) == 0.0
+    assert float(metrics["policy/nonfinite"]) == 0.0 and int(state.step) == 1
     assert _max_diff(state.policy.params, before[0]) > 1e-4
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.policy.opt_state))
 
