@@ -218,7 +218,9 @@ def run_sft(run: Run) -> dict:
     rng = np.random.default_rng(cfg.seed + 11)
     metrics, step = {}, 0
     guard = _NonFiniteGuard(cfg.max_nonfinite_steps)
-    bar = tqdm(total=sum(s for s, _ in stages), desc="sft", disable=not cfg.progress)
+    unchecked = []  # (step, device scalar) of skipped-update flags not read yet: read at each log, not per step
+    total = sum(s for s, _ in stages)
+    bar = tqdm(total=total, desc="sft", disable=not cfg.progress)
     for stage_steps, encoded in stages:
         if len(encoded) < cfg.sft.batch_size:
             raise ValueError(f"config.sft.batch_size={cfg.sft.batch_size} but there are only {len(encoded)} "
@@ -230,9 +232,13 @@ def run_sft(run: Run) -> dict:
                 state, metrics = step_fn(state, take_minibatch(_put_batch(run, batch).rows, 0))
             step += 1
             bar.update()
+            unchecked.append((step, metrics["sft/nonfinite"]))
             if step % cfg.log_every == 0:
                 run.writer.scalars(step, jax.device_get(metrics))
-            guard.observe(float(metrics["sft/nonfinite"]), "sft", step, 1)
+            if step % cfg.log_every == 0 or step == total:
+                for at, skipped in zip([s for s, _ in unchecked], jax.device_get([v for _, v in unchecked])):
+                    guard.observe(float(skipped), "sft", at, 1)
+                unchecked.clear()
     bar.close()
     run.state = run.state.replace(policy=run.state.policy.replace(params=state.policy.params))
     if run.state.ref_params is not None:  # the KL reference is the warm-started policy
