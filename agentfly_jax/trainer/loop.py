@@ -176,7 +176,7 @@ def setup(config, workdir: str | None = None) -> Run:
         if env_manager is not None:
             runner.run(env_manager.close())
         runner.run(backend.close())
-        runner.close()
+        close_runner(runner)
         raise
 
     return Run(config=cfg, algorithm=alg, workdir=workdir, task_setup=task_setup, tokenizer=tokenizer,
@@ -566,13 +566,33 @@ def train(config, workdir: str | None = None) -> dict:
         _close_run(run)
 
 
+def close_runner(runner: asyncio.Runner, timeout_s: float = 30.0) -> None:
+    """`runner.close()`, bounded: tasks still pending (e.g. an abandoned tool call that swallows cancellation)
+    get `timeout_s` to end after being cancelled; if some never do, the loop is closed around them with a
+    warning instead of waiting forever (`asyncio.Runner.close` would)."""
+    loop = runner.get_loop()
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    if pending:
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.wait(pending, timeout=timeout_s))
+        stuck = [task for task in pending if not task.done()]
+        if stuck:
+            log.warning("%d background task(s) ignored cancellation for %.0f s (abandoned tool calls or rewards); "
+                        "closing the event loop without them", len(stuck), timeout_s)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            return
+    runner.close()
+
+
 def _close_run(run: Run) -> None:
     """Closes everything the run holds; one failing close does not skip the others (launched vLLM servers and
     pooled environments would outlive the trainer). The first error is raised after all were tried."""
     steps = [run.writer.close, run.checkpointer.close, lambda: run.runner.run(run.backend.close())]
     if run.env_manager is not None:
         steps.append(lambda: run.runner.run(run.env_manager.close()))
-    steps.append(run.runner.close)
+    steps.append(lambda: close_runner(run.runner))
     errors = []
     for step in steps:
         try:

@@ -147,3 +147,42 @@ def test_fewer_chains_left_than_mini_batches_make_no_empty_mini_batch(qwen_token
     batch, _ = loop.make_batch(run, train_on, 0)
     assert batch.num_minibatches == 3
     assert sorted(np.bincount(np.asarray(batch.minibatch), minlength=3).tolist()) == [1, 1, 1]
+
+
+def test_the_runner_closes_around_a_task_that_ignores_cancellation(tmp_path):
+    """An abandoned call that swallows every cancellation would make `asyncio.Runner.close` wait forever; the
+    trainer's close gives it a bounded time and closes the loop around it (a separate process: a regression
+    hangs there, not here)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import asyncio, time
+        from agentfly_jax.trainer.loop import close_runner
+
+        async def stubborn():
+            while True:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    continue
+
+        async def start():
+            asyncio.get_running_loop().create_task(stubborn())
+            await asyncio.sleep(0.05)
+
+        runner = asyncio.Runner()
+        runner.run(start())
+        t0 = time.monotonic()
+        close_runner(runner, timeout_s=0.5)
+        print("closed after", round(time.monotonic() - t0, 2))
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seconds = float(proc.stdout.split()[-1])
+    assert 0.4 <= seconds < 5.0, proc.stdout
+    assert "ignored cancellation" in proc.stderr
