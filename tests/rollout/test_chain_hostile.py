@@ -16,75 +16,20 @@ from agentfly_jax.rewards import reward
 from agentfly_jax.rollout.agents import ReactAgent, ToolCallingAgent
 from agentfly_jax.tools import tool
 from tests.rollout.fakes import FakeEnvProvider, FakeScriptedBackend
+from tests.tools.hostile_tools import (
+    DIGITS,
+    circular_list,
+    circular_observation,
+    echo,
+    exits_async,
+    exits_sync,
+    huge_int,
+    interrupts_sync,
+    lone_surrogate,
+    number,
+)
 
 QWEN = "qwen2.5"
-DIGITS = "1" * 5000
-
-
-@tool
-def echo(text: str) -> str:
-    """Returns its argument.
-
-    Args:
-        text: What to return.
-    """
-    return text
-
-
-@tool
-def number(x: int) -> str:
-    """Shows a number.
-
-    Args:
-        x: The number.
-    """
-    return f"got {x}"
-
-
-@tool
-def huge_int() -> int:
-    """Returns an integer too long to convert to text."""
-    return 10**5000
-
-
-@tool
-def circular_list() -> list:
-    """Returns a list that contains itself."""
-    items: list = []
-    items.append(items)
-    return items
-
-
-@tool
-def circular_dict() -> dict:
-    """Returns a dict whose observation is itself."""
-    result: dict = {}
-    result["observation"] = result
-    return result
-
-
-@tool
-def lone_surrogate() -> str:
-    """Returns text with a lone surrogate."""
-    return "before \ud800 after"
-
-
-@tool
-def exits() -> str:
-    """Calls sys.exit."""
-    sys.exit(2)
-
-
-@tool
-async def exits_async() -> str:
-    """Raises SystemExit on the loop."""
-    raise SystemExit(3)
-
-
-@tool
-def interrupts() -> str:
-    """Raises KeyboardInterrupt."""
-    raise KeyboardInterrupt
 
 
 RELEASE_STUBBORN = threading.Event()
@@ -102,7 +47,8 @@ async def stubborn() -> str:
     return "finished anyway"
 
 
-TOOLS = [echo, number, huge_int, circular_list, circular_dict, lone_surrogate, exits, exits_async, interrupts, stubborn]
+TOOLS = [echo, number, huge_int, circular_list, circular_observation, lone_surrogate, exits_sync, exits_async,
+         interrupts_sync, stubborn]
 
 # question -> (first-turn text of the Hermes-format model, the error kind its call gets)
 HERMES_CASES = {
@@ -115,11 +61,11 @@ HERMES_CASES = {
     "surrogate name": ('<tool_call>{"name": "ech\\ud800", "arguments": {}}</tool_call>', "bad_json"),
     "big int returned": ('<tool_call>{"name": "huge_int", "arguments": {}}</tool_call>', "tool_exception"),
     "circular list returned": ('<tool_call>{"name": "circular_list", "arguments": {}}</tool_call>', "tool_exception"),
-    "circular dict returned": ('<tool_call>{"name": "circular_dict", "arguments": {}}</tool_call>', "tool_exception"),
+    "circular dict returned": ('<tool_call>{"name": "circular_observation", "arguments": {}}</tool_call>', "tool_exception"),
     "surrogate returned": ('<tool_call>{"name": "lone_surrogate", "arguments": {}}</tool_call>', "tool_exception"),
-    "sys.exit in a thread": ('<tool_call>{"name": "exits", "arguments": {}}</tool_call>', "tool_exception"),
+    "sys.exit in a thread": ('<tool_call>{"name": "exits_sync", "arguments": {}}</tool_call>', "tool_exception"),
     "SystemExit on the loop": ('<tool_call>{"name": "exits_async", "arguments": {}}</tool_call>', "tool_exception"),
-    "KeyboardInterrupt": ('<tool_call>{"name": "interrupts", "arguments": {}}</tool_call>', "tool_exception"),
+    "KeyboardInterrupt": ('<tool_call>{"name": "interrupts_sync", "arguments": {}}</tool_call>', "tool_exception"),
     "swallowed cancellation": ('<tool_call>{"name": "stubborn", "arguments": {}}</tool_call>', "timeout"),
 }
 

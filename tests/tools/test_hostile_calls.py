@@ -17,50 +17,18 @@ import pytest
 from agentfly_jax.tools import TOOL_ERROR_KINDS, ToolCall, execute_tool_call, parse_error_result, tool
 from agentfly_jax.tools import execute as execute_module
 from agentfly_jax.tools.parsers import decode_arguments, parse_hermes_tool_calls, parse_react
-
-DIGITS = "1" * 5000  # more digits than Python converts (sys.get_int_max_str_digits() is 4300)
-
-
-@tool
-def echo(text: str) -> str:
-    """Returns its argument.
-
-    Args:
-        text: What to return.
-    """
-    return text
-
-
-@tool
-def number(x: int) -> str:
-    """Shows a number.
-
-    Args:
-        x: The number.
-    """
-    return f"got {x}"
-
-
-@tool
-def huge_int() -> int:
-    """Returns an integer too long to convert to text."""
-    return 10**5000
-
-
-@tool
-def circular_list() -> list:
-    """Returns a list that contains itself."""
-    items: list = [1]
-    items.append(items)
-    return items
-
-
-@tool
-def circular_observation() -> dict:
-    """Returns a dict whose observation is the dict itself."""
-    result: dict = {}
-    result["observation"] = result
-    return result
+from tests.tools.hostile_tools import (
+    DIGITS,
+    circular_list,
+    circular_observation,
+    echo,
+    exits_async,
+    exits_sync,
+    huge_int,
+    interrupts_sync,
+    lone_surrogate,
+    number,
+)
 
 
 @tool
@@ -83,33 +51,9 @@ def unprintable() -> dict:
 
 
 @tool
-def lone_surrogate() -> str:
-    """Returns text with a lone surrogate."""
-    return "before \ud800 after"
-
-
-@tool
 def raises_with_surrogate() -> str:
     """Raises an error whose message holds a lone surrogate."""
     raise ValueError("bad byte \udcff here")
-
-
-@tool
-def exits_sync() -> str:
-    """Calls sys.exit in a worker thread."""
-    sys.exit(2)
-
-
-@tool
-async def exits_async() -> str:
-    """Raises SystemExit on the event loop."""
-    raise SystemExit(3)
-
-
-@tool
-def interrupts_sync() -> str:
-    """Raises KeyboardInterrupt."""
-    raise KeyboardInterrupt
 
 
 @tool
