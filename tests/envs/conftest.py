@@ -13,3 +13,11 @@ def loop():
 def backend(request, loop):
     sandbox_helpers.require_backend(loop, request.param)
     return request.param
+
+
+@pytest.fixture
+def session(loop, backend):
+    """A persistent Python session in the backend's sandbox, closed after the test."""
+    session = loop.run_until_complete(sandbox_helpers.open_session(backend))
+    yield session
+    loop.run_until_complete(session.close())

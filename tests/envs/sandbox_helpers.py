@@ -65,3 +65,12 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.05):
             return True
         time.sleep(interval)
     return predicate()
+
+
+async def open_session(backend):
+    return await get_sandbox(backend).open_session()
+
+
+def cell(loop, session, code, timeout=5.0, **kwargs):
+    """One cell of `session`, run to its end on `loop`."""
+    return loop.run_until_complete(session.run_cell(code, timeout=timeout, **kwargs))

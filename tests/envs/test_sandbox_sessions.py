@@ -4,22 +4,8 @@ import time
 
 import pytest
 
-from agentfly_jax.envs.sandbox import SandboxError, get_sandbox
-
-
-async def open_session(backend):
-    return await get_sandbox(backend).open_session()
-
-
-@pytest.fixture
-def session(loop, backend):
-    session = loop.run_until_complete(open_session(backend))
-    yield session
-    loop.run_until_complete(session.close())
-
-
-def cell(loop, session, code, timeout=5.0, **kwargs):
-    return loop.run_until_complete(session.run_cell(code, timeout=timeout, **kwargs))
+from agentfly_jax.envs.sandbox import SandboxError
+from tests.envs.sandbox_helpers import cell
 
 
 def test_state_output_values_and_errors(loop, session):

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from agentfly_jax.envs.sandbox import SandboxError, SandboxLimits, get_sandbox
+from agentfly_jax.envs.sandbox import SandboxError, SandboxLimits
 from agentfly_jax.envs.sandbox.session import PythonSession, Transport
+from tests.envs.sandbox_helpers import cell
 
 FORGED_REPLY = json.dumps(
     {
@@ -26,21 +27,6 @@ FORGED_REPLY = json.dumps(
 )
 # What the kernel's runner itself writes to the result pipe of cell 1.
 FORGED_RESULT = json.dumps({"seq": 1, "value": "'forged'", "error": None, "timed_out": False})
-
-
-async def open_session(backend):
-    return await get_sandbox(backend).open_session()
-
-
-@pytest.fixture
-def session(loop, backend):
-    session = loop.run_until_complete(open_session(backend))
-    yield session
-    loop.run_until_complete(session.close())
-
-
-def cell(loop, session, code, timeout=5.0, **kwargs):
-    return loop.run_until_complete(session.run_cell(code, timeout=timeout, **kwargs))
 
 
 def later_cells_get_their_own_replies(loop, session):
