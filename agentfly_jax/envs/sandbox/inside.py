@@ -294,6 +294,18 @@ def _kernel(sock, stream_encoding, stream_errors):
             )
 
 
+def reap_exited():
+    """(pid, wait status) of every child that has ended, reaped without waiting for the others."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        yield pid, status
+
+
 def _kernel_exit_code(status):
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -314,13 +326,7 @@ class _Relay:
         has ended. Waits up to `block_s` seconds for the kernel."""
         deadline = time.monotonic() + block_s
         while True:
-            while True:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
+            for pid, status in reap_exited():
                 if pid == self.kernel_pid:
                     self.kernel_status = status
             if self.kernel_status is not None or time.monotonic() >= deadline:
@@ -726,13 +732,8 @@ def keeper(uid):
     threading.Thread(target=watch_stdin, daemon=True).start()
     while True:
         signal.sigtimedwait([signal.SIGCHLD], 1.0)
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
+        for _ in reap_exited():
+            pass
 
 
 def main(argv):
