@@ -28,7 +28,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from agentfly_jax.tools.context import ToolContext
-from agentfly_jax.tools.execute import CallRaisedBaseException, CallTimedOut, call_with_limit
+from agentfly_jax.tools.execute import (
+    CallRaisedBaseException,
+    CallTimedOut,
+    call_with_limit,
+    retire_environment,
+)
 
 PREDICTION_PARAMETER = "prediction"
 TRAJECTORY_PARAMETER = "trajectory"
@@ -229,6 +234,8 @@ class Reward:
             value = await call_with_limit(self.func, arguments, is_async=self.is_async, limit_s=limit_s)
         except CallTimedOut as stopped:
             state = " and was abandoned still running" if stopped.abandoned else ""
+            if stopped.abandoned and retire_environment(env):  # it may still be changing its environment
+                state += "; its environment will not be reused after this episode"
             return _failed(
                 "timeout",
                 f"reward '{self.name}' did not finish within {limit_s:g} s{state}",

@@ -227,7 +227,7 @@ class _SyncCall:
         return True
 
 
-def _retire(env: Any) -> bool:
+def retire_environment(env: Any) -> bool:
     """Marks the environment an abandoned call may still be using as used up (`retired = True`): the resource
     manager destroys it at release instead of handing it, still being changed, to another chain."""
     if env is None:
@@ -552,7 +552,7 @@ async def _execute_tool_call(
         else:
             result = await _run_with_timeout(tool, arguments_in, limit_s)
     except CallTimedOut as stopped:
-        retired = stopped.abandoned and _retire(arguments_in.get(ENV_PARAMETER))
+        retired = stopped.abandoned and retire_environment(arguments_in.get(ENV_PARAMETER))
         return _failure(
             "timeout",
             f"tool '{tool.name}' did not finish within {limit_s:g} s and was stopped"

@@ -168,3 +168,38 @@ def test_decorated_reward_keeps_its_own_timeout():
         return 1.0
 
     assert_failed(score(sleepy, timeout=10.0), "timeout", "within 0.1 s")
+
+
+def test_an_abandoned_environment_backed_reward_retires_its_environment():
+    """Like an abandoned tool call: a reward stopped at its limit while still changing its environment gets
+    that instance destroyed by the real resource manager at release, not handed to the next chain."""
+    from agentfly_jax.envs.manager import PoolConfig, ResourceManager
+    from agentfly_jax.tools.context import ToolContext
+    from tests.tools.hostile_tools import Counter
+
+    gate = threading.Event()
+
+    def counts(prediction: str, env) -> float:
+        env.value += 1
+        while prediction == "hang" and not gate.wait(0.01):
+            env.value += 1
+        return 1.0
+
+    scorer = Reward(counts, pool="counters", timeout=0.2)
+
+    async def scenario():
+        manager = ResourceManager({"counters": PoolConfig(factory=Counter, max_size=4)})
+        try:
+            results = []
+            for i, prediction in enumerate(("fine", "hang")):
+                async with ToolContext({}, env_provider=manager, key=f"chain-{i}") as context:
+                    results.append(await scorer.score(prediction=prediction, context=context))
+            return results, manager.metrics("counters")
+        finally:
+            gate.set()
+            await manager.close()
+
+    (fine, hung), metrics = asyncio.run(scenario())
+    assert fine.ok and fine.reward == 1.0
+    assert_failed(hung, "timeout", "abandoned still running", "its environment will not be reused")
+    assert metrics["retired"] == 1  # only the abandoned reward's instance

@@ -72,3 +72,19 @@ async def exits_async() -> str:
 def interrupts_sync() -> str:
     """Raises KeyboardInterrupt."""
     raise KeyboardInterrupt
+
+
+class Counter:
+    """A pooled environment for the resource manager: a counter that tools and rewards change."""
+
+    def __init__(self):
+        self.value = 0
+
+    async def reset(self):
+        self.value = 0
+
+    async def health_check(self):
+        return True
+
+    async def close(self):
+        pass

@@ -19,6 +19,7 @@ from agentfly_jax.tools import execute as execute_module
 from agentfly_jax.tools.parsers import decode_arguments, parse_hermes_tool_calls, parse_react
 from tests.tools.hostile_tools import (
     DIGITS,
+    Counter,
     circular_list,
     circular_observation,
     echo,
@@ -391,22 +392,6 @@ def test_sync_calls_waiting_for_a_slot_hold_no_thread(monkeypatch):
     assert started[:2] == [0, 1] and sorted(started) == list(range(12))
 
 
-class _Counter:
-    """A pooled environment: a counter the tool changes."""
-
-    def __init__(self):
-        self.value = 0
-
-    async def reset(self):
-        self.value = 0
-
-    async def health_check(self):
-        return True
-
-    async def close(self):
-        pass
-
-
 def test_an_abandoned_call_retires_its_environment():
     """A stateful tool abandoned at its limit may still be changing its environment: the real resource manager
     destroys that instance at release instead of handing it to the next chain; a call that ended normally
@@ -429,7 +414,7 @@ def test_an_abandoned_call_retires_its_environment():
         return str(env.value)
 
     async def scenario():
-        manager = ResourceManager({"counters": PoolConfig(factory=_Counter, max_size=4)})
+        manager = ResourceManager({"counters": PoolConfig(factory=Counter, max_size=4)})
         try:
             results = []
             for i, hang in enumerate((False, True)):
