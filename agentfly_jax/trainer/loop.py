@@ -106,12 +106,13 @@ class _NonFiniteGuard:
 
 def _check_finite(tree, what: str) -> None:
     """Refuses to save or export `tree` when any floating-point value in it is NaN or infinite."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-    finite = jax.device_get(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else np.ones(0, bool)
-    if not bool(np.all(finite)):
-        paths = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-                 if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
-        bad = [p for p, ok in zip(paths, finite) if not ok]
+    leaves = [(jax.tree_util.keystr(path), x) for path, x in jax.tree_util.tree_leaves_with_path(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    if not leaves:
+        return
+    finite = jax.device_get(jnp.stack([jnp.all(jnp.isfinite(x)) for _, x in leaves]))
+    bad = [path for (path, _), ok in zip(leaves, finite) if not ok]
+    if bad:
         raise NonFiniteTrainingError(f"refusing to {what}: {len(bad)} tensors hold NaN or inf "
                                      f"(first: {', '.join(bad[:3])})")
 
