@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def _digest(leaf) -> str:
     value = np.ascontiguousarray(jax.device_get(leaf))
     digest = hashlib.blake2b(f"{value.dtype}{value.shape}".encode(), digest_size=16)
-    digest.update(value.data if value.flags.c_contiguous and value.nbytes else value.tobytes())
+    digest.update(value.reshape(-1).view(np.uint8))  # raw bytes without a copy (bf16 has no buffer format)
     return digest.hexdigest()
 
 

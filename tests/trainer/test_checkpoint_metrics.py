@@ -96,6 +96,20 @@ def test_a_flipped_byte_is_caught_by_the_checksums_and_the_step_can_be_saved_aga
     np.testing.assert_array_equal(restored["params"]["w"], tree(2.5)["params"]["w"])
 
 
+def test_checksums_cover_every_dtype_a_state_holds():
+    """bf16 (no buffer format of its own), empty, 0-d and integer arrays are hashed; one changed value changes
+    its array's checksum only."""
+    from agentfly_jax.trainer.checkpoint import checksums
+
+    tree = {"bf16": jnp.arange(6, dtype=jnp.bfloat16), "empty": jnp.zeros((0, 3)), "scalar": jnp.int32(7),
+            "f32": jnp.ones((2, 2))}
+    first = checksums(tree)
+    assert set(first) == {"['bf16']", "['empty']", "['scalar']", "['f32']"}
+    changed = checksums({**tree, "bf16": tree["bf16"].at[5].set(9)})
+    assert [k for k in first if first[k] != changed[k]] == ["['bf16']"]
+    assert checksums({**tree, "f32": tree["f32"].astype(jnp.bfloat16)})["['f32']"] != first["['f32']"]
+
+
 def test_a_checksum_that_does_not_match_skips_the_checkpoint(tmp_path):
     """The comparison itself: a checkpoint whose recorded checksum is not its data's is never loaded."""
     ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1)
