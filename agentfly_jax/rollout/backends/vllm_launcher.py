@@ -52,15 +52,20 @@ def process_start_time(pid: int) -> int | None:
         except PermissionError:
             pass
         return 0
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat from field 3 (state) on (after "pid (comm) "), or None when the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             stat = fh.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
+    return stat[stat.rindex(")") + 2:].split()
 
 
 def group_alive(pgid: int) -> bool:
@@ -76,13 +81,8 @@ def group_alive(pgid: int) -> bool:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat") as fh:
-                stat = fh.read()
-        except OSError:  # exited while we looked
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+        fields = _stat_fields(name)
+        if fields is not None and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):  # None: it just exited
             return True
     return False
 
