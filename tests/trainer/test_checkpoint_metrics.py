@@ -67,9 +67,11 @@ def test_a_flipped_byte_is_caught_by_the_checksums_and_the_step_can_be_saved_aga
     ckpt.save(2, tree(2.5), {"step": 2})
     ckpt.close()
     data = _largest_file(tmp_path / "ckpt" / "2" / "state")
-    raw = bytearray(open(data, "rb").read())
+    with open(data, "rb") as fh:
+        raw = bytearray(fh.read())
     raw[len(raw) // 2] ^= 0x40
-    open(data, "wb").write(bytes(raw))
+    with open(data, "wb") as fh:
+        fh.write(bytes(raw))
     # what a plain orbax restore returns: no error, different numbers
     plain = ocp.CheckpointManager(str(tmp_path / "ckpt"))
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree(0.0))
