@@ -213,6 +213,14 @@ class RLSection:
     overlong_buffer_len: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
     overlong_max_len: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
     overlong_penalty_factor: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
+    # asynchronous off-policy training (trainer/async_rollouts.py): step s's rollout starts once the served policy
+    # is at version >= s - max_staleness and runs while earlier steps update, so no trajectory trains a policy
+    # more than max_staleness versions newer than its oldest token. 0: the synchronous loop. Needs loss.is_cap
+    # (the behaviour-policy correction of decoupled PPO).
+    max_staleness: int = knob(0, *NON_NEGATIVE)
+    # at a weight sync, sequences in flight go on with the new weights (each token records its version) instead
+    # of finishing on the old ones first; with max_staleness > 0 only
+    partial_rollouts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,6 +405,14 @@ class TrainConfig:
         if self.rl.dynamic_sampling and self.rl.chains_per_task == 1:
             raise ConfigError("config.rl.dynamic_sampling=True with config.rl.chains_per_task=1: every group of one "
                               "has equal rewards and would be dropped; use chains_per_task >= 2")
+        if self.rl.max_staleness and self.loss.is_cap is None:
+            raise ConfigError(f"config.rl.max_staleness={self.rl.max_staleness} trains on trajectories sampled by "
+                              "older policies: set config.loss.is_cap (e.g. 2.0), the cap of the behaviour-policy "
+                              "importance weights that correct for it (decoupled PPO), or use max_staleness=0")
+        if self.rl.partial_rollouts and not self.rl.max_staleness:
+            raise ConfigError("config.rl.partial_rollouts=True has no effect with config.rl.max_staleness=0 (the "
+                              "synchronous loop syncs weights when no sequence is in flight): set max_staleness "
+                              ">= 1 or unset partial_rollouts")
         if not self.rl.overlong_buffer_len:
             for key in ("overlong_max_len", "overlong_penalty_factor"):
                 if getattr(self.rl, key) is not None:

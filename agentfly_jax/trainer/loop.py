@@ -8,11 +8,16 @@
 The config is typed and validated once (`TrainConfig.build`) before any model or data work; the algorithm is
 a recipe looked up by name (`algorithms.get_recipe`). The async world (agents, backends, tools) runs on one
 asyncio event loop kept for the whole run; everything else is plain Python around jitted functions.
+
+With `rl.max_staleness` > 0 (asynchronous off-policy training, trainer/async_rollouts.py) that event loop runs in
+its own thread and the rollouts of the next steps (at most max_staleness policy versions ahead) run while a
+step updates; the step's order above is kept for the trainer, and `AsyncSteps` hands it each step's batch.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -31,6 +36,7 @@ from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.trainer import builders
+from agentfly_jax.trainer.async_rollouts import RolloutProducer, ThreadedRunner, staleness_filter
 from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_bucket, drop_failed_chains,
                                        no_chains_left_error, pack_step)
 from agentfly_jax.trainer.checkpoint import Checkpointer
@@ -69,7 +75,7 @@ class Run:
     env_manager: Any
     writer: MetricWriter
     checkpointer: Checkpointer
-    runner: asyncio.Runner
+    runner: Any  # asyncio.Runner; a ThreadedRunner (its loop in a background thread) when rl.max_staleness > 0
     serving_model: Any = None  # the policy as served and exported (a LoRA policy: the plain model)
     serve_params: Any = None  # policy params -> the serving model's params (LoRA: adapters merged)
     trainable: Any = None  # which policy parameters are trained (LoRA: the adapters); None: all
@@ -163,7 +169,9 @@ def setup(config, workdir: str | None = None) -> Run:
                                  lr_schedule=policy_schedule, state_sharding=shardings, trainable=trainable)
 
     # --- Generation backend, environment pools & agent ----------------------------------------------
-    runner = asyncio.Runner()
+    # asynchronous training (rl.max_staleness > 0): the event loop runs in its own thread so that chains go on
+    # while the trainer updates (trainer/async_rollouts.py)
+    runner = ThreadedRunner() if cfg.rl.max_staleness else asyncio.Runner()
     serving_model, serve_params = builders.serving_view(policy)
     backend = builders.build_backend(cfg, serving_model, serve_params(state.policy.params), workdir)
     env_manager = None
@@ -279,14 +287,12 @@ def evaluate(run: Run, step: int, prefix: str = "eval") -> dict:
 
 
 def _eval_pass(run: Run, step: int, tasks, temperature: float, top_p: float, num_chains: int, suffix: str) -> dict:
-    agent = run.agent
-    saved = agent.temperature, agent.top_p
+    # a copy of the agent samples at the evaluation's settings: training rollouts may be running at the same time
+    # (asynchronous training) on the same backend, tools and environments, at their own settings
+    agent = copy.copy(run.agent)
     agent.temperature, agent.top_p = temperature, top_p
-    try:
-        trajs = run.runner.run(agent.run(tasks, num_chains=num_chains, seed=10_000_019 + step,
-                                         progress=run.config.progress))
-    finally:
-        agent.temperature, agent.top_p = saved
+    trajs = run.runner.run(agent.run(tasks, num_chains=num_chains, seed=10_000_019 + step,
+                                     progress=run.config.progress))
     rewards = np.array([t.reward for t in trajs])
     sample = trajs[0]
     run.writer.text(step, f"eval/sample_trajectory{suffix}",
@@ -325,15 +331,22 @@ def rollout(run: Run, step: int):
 
     Chains that ended in a runtime error (chain_error) are left out of both lists before anything else
     (`batch.drop_failed_chains`: their groups go on with the chains that remain) and counted as
-    `rollout/chain_errors_dropped`; a step that has no chain left stops the run with the first error."""
+    `rollout/chain_errors_dropped`; a step that has no chain left stops the run with the first error.
+
+    The agent's rollout counters come back in the metrics as `rollout/*` (taken from the very call that made
+    them: with asynchronous training several steps' rollouts run at once)."""
     cfg = run.config
     rl = cfg.rl
-    failed = []
+    failed, round_stats = [], []
+
+    async def run_and_count(tasks, seed):
+        trajectories = await run.agent.run(tasks, num_chains=rl.chains_per_task, seed=seed, progress=cfg.progress)
+        return trajectories, dict(run.agent.last_run_stats)  # no await in between: this call's own counters
 
     def sample(tasks, round_index):
-        kept, dropped = drop_failed_chains(run.runner.run(run.agent.run(
-            tasks, num_chains=rl.chains_per_task, seed=cfg.seed * 7919 + step + 1_000_033 * round_index,
-            progress=cfg.progress)))
+        trajectories, stats = run.runner.run(run_and_count(tasks, cfg.seed * 7919 + step + 1_000_033 * round_index))
+        round_stats.append(stats)
+        kept, dropped = drop_failed_chains(trajectories)
         failed.extend(dropped)
         return kept
 
@@ -341,13 +354,13 @@ def rollout(run: Run, step: int):
         trajectories = sample(_step_tasks(run, step), 0)
         if not trajectories:
             raise no_chains_left_error(failed, step)
-        return trajectories, trajectories, {"rollout/chain_errors_dropped": float(len(failed))}
-    kept, dropped, every, round_stats = [], [], [], []
+        return trajectories, trajectories, {"rollout/chain_errors_dropped": float(len(failed)),
+                                            **_prefixed(round_stats[0])}
+    kept, dropped, every = [], [], []
     rounds = 0
     while len(kept) < rl.tasks_per_step and rounds <= rl.dynamic_sampling_max_rounds:
         trajectories = sample(_step_tasks(run, step, rounds), rounds)
         every.extend(trajectories)
-        round_stats.append(dict(run.agent.last_run_stats))
         groups: dict[int, list] = {}
         for t in trajectories:
             groups.setdefault(t.group_id, []).append(t)
@@ -369,11 +382,81 @@ def rollout(run: Run, step: int):
                "rollout/chain_errors_dropped": float(len(failed))}
     if not train_on:
         raise no_chains_left_error(failed, step)
-    run.agent.last_run_stats = _combine_round_stats(round_stats)  # what rollout_metrics logs: every round
+    combined = _combine_round_stats(round_stats)  # every round's chains
+    run.agent.last_run_stats = combined
+    metrics.update(_prefixed(combined))
     if filled:
         log.warning("step %d: dynamic sampling found %d of %d groups with reward signal in %d rounds; %d groups "
                     "without signal fill the batch", step, len(kept), rl.tasks_per_step, rounds, filled)
     return train_on, every, metrics
+
+
+class AsyncSteps:
+    """The loop's side of asynchronous training (`rl.max_staleness` > 0; see trainer/async_rollouts.py): step s's
+    rollout starts once the served policy is at version >= s - max_staleness and runs while earlier steps update.
+    `take(step)` hands over the step's trajectories (checked against the staleness bound) with the `async/*`
+    scalars; `updated` / `synced` tell it that an update finished and that its weights are served."""
+
+    def __init__(self, run: Run, start_step: int):
+        self.run, self.max_staleness = run, run.config.rl.max_staleness
+        self.trained_version = start_step  # updates finished: the state a failure must not lose
+        self._since = time.perf_counter()
+        self._interrupted = self._interrupted_so_far()
+        self.producer = RolloutProducer(lambda step: rollout(run, step), start_step, run.config.rl.steps,
+                                        self.max_staleness, version=lambda: int(run.backend.weight_version))
+
+    def take(self, step: int):
+        """(trajectories to train on, every trajectory sampled, sampling metrics, rollout seconds, async metrics)."""
+        batch, waited = self.producer.take(step)
+        trajectories, sampled, sampling_metrics = batch.result
+        kept, stale, lags = staleness_filter(trajectories, step, self.max_staleness)
+        if stale:  # cannot happen by construction (batch s starts at version >= s - max_staleness): a bug's alarm
+            log.warning("step %d: %d of %d trajectories are more than %d policy versions old and were dropped",
+                        step, len(stale), len(trajectories), self.max_staleness)
+        if not kept:
+            raise RuntimeError(f"step {step}: every trajectory of the batch is more than rl.max_staleness="
+                               f"{self.max_staleness} policy versions old")
+        now = time.perf_counter()
+        metrics = {"async/staleness_mean": float(np.mean(lags)), "async/staleness_max": float(max(lags)),
+                   "async/stale_dropped": float(len(stale)), "async/trainer_wait_s": waited,
+                   "async/rollout_idle_s": self.producer.idle_s(self._since, now),
+                   "async/batches_in_flight": float(self.producer.in_flight),
+                   "async/version_at_rollout_start": float(batch.version_at_start)}
+        self._since = now
+        return kept, sampled, sampling_metrics, batch.ended - batch.started, metrics
+
+    def updated(self, version: int) -> None:
+        self.trained_version = version
+
+    def synced(self, version: int, sync_s: float) -> dict:
+        """Starts the rollouts the new version allows; the weight sync's scalars."""
+        self.producer.advance(version)
+        interrupted, self._interrupted = self._interrupted, self._interrupted_so_far()
+        return {"async/weight_sync_wait_s": sync_s, "async/interrupted_sequences": self._interrupted - interrupted}
+
+    def _interrupted_so_far(self) -> float:
+        """Sequences the backend has interrupted at weight syncs so far (partial rollouts)."""
+        stats = getattr(self.run.backend, "stats", None) or {}
+        return float(stats.get("interrupted_sequences", 0) + stats.get("interrupted_requests", 0))
+
+    def close(self) -> None:
+        self.producer.close()
+
+    def save_after_failure(self, eval_before: dict) -> None:
+        """A rollout or a weight sync failed: the trainer state of the last finished update is checkpointed (if
+        it is not already) so that `config.resume` continues from it."""
+        step = self.trained_version
+        try:
+            _save(self.run, step, eval_before, force=True)
+            log.error("asynchronous training stopped on an error; the trainer state after %d updates is in %s "
+                      "(set config.resume=True to continue from it)", step, self.run.checkpointer.directory)
+        except Exception as exc:  # noqa: BLE001 - the original error is what the caller raises
+            log.error("asynchronous training stopped on an error and the trainer state of step %d could not be "
+                      "saved: %s: %s", step, type(exc).__name__, exc)
+
+
+def _prefixed(stats: dict) -> dict:
+    return {f"rollout/{k}": v for k, v in stats.items()}
 
 
 def _combine_round_stats(rounds: list[dict]) -> dict:
@@ -448,15 +531,21 @@ def update(run: Run, batch: UpdateBatch, step: int) -> dict:
 
 
 def sync_weights(run: Run, version: int) -> float:
+    """Serves the trained policy as `version`; seconds it took. With rollouts in flight (asynchronous training)
+    their sequences finish on the old weights first, or with `rl.partial_rollouts` go on with the new ones."""
     t0 = time.perf_counter()
-    run.runner.run(run.backend.update_weights(run.serve_params(run.state.policy.params), version))
+    params = run.serve_params(run.state.policy.params)
+    if run.config.rl.partial_rollouts:
+        run.runner.run(run.backend.update_weights(params, version, interrupt=True))
+    else:
+        run.runner.run(run.backend.update_weights(params, version))
     return time.perf_counter() - t0
 
 
 def rollout_metrics(run: Run, trajectories) -> dict:
+    """Scalars of the trajectories sampled in a step (the agent's counters come with `rollout`'s metrics)."""
     rewards = np.array([t.reward for t in trajectories])
-    stats = {f"rollout/{k}": v for k, v in run.agent.last_run_stats.items()}
-    return {**stats, "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "success/rate": float((rewards >= run.task_setup.success_threshold).mean()),
             "rollout/turns_mean": float(np.mean([t.num_turns for t in trajectories])),
             "rollout/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
@@ -485,6 +574,7 @@ def train(config, workdir: str | None = None) -> dict:
     t_start = time.time()
     run = setup(config, workdir)
     cfg, workdir = run.config, run.workdir
+    producer, before = None, {}
     try:
         # --- Load checkpoint (or warm start) --------------------------------------------------------
         start_step, sft_metrics, before_sft = 0, {}, {}
@@ -508,10 +598,15 @@ def train(config, workdir: str | None = None) -> dict:
         bar = tqdm(range(start_step, cfg.rl.steps), desc=f"rl/{cfg.algorithm}", initial=start_step,
                    total=cfg.rl.steps, disable=not cfg.progress)
         nonfinite = _NonFiniteGuard(cfg.max_nonfinite_steps)
+        # asynchronous training: rollouts of later steps run while this one updates (trainer/async_rollouts.py)
+        producer = AsyncSteps(run, start_step) if cfg.rl.max_staleness else None
         for step in bar:
             t0 = time.perf_counter()
-            trajectories, sampled, sampling_metrics = rollout(run, step)
-            t_rollout = time.perf_counter() - t0
+            if producer is None:
+                trajectories, sampled, sampling_metrics = rollout(run, step)
+                t_rollout, async_metrics = time.perf_counter() - t0, {}
+            else:
+                trajectories, sampled, sampling_metrics, t_rollout, async_metrics = producer.take(step)
 
             t0 = time.perf_counter()
             batch, batch_metrics = make_batch(run, trajectories, step)
@@ -521,8 +616,12 @@ def train(config, workdir: str | None = None) -> dict:
             tokens = float(sum(t.length for t in trajectories))
             sampled_tokens = float(sum(t.length for t in sampled))
 
+            if producer is not None:
+                producer.updated(step + 1)
             t_sync = sync_weights(run, step + 1)
-            metrics = {**rollout_metrics(run, sampled), **sampling_metrics, **update_metrics,
+            if producer is not None:
+                async_metrics.update(producer.synced(step + 1, t_sync))
+            metrics = {**rollout_metrics(run, sampled), **sampling_metrics, **update_metrics, **async_metrics,
                        "update/tokens": tokens * cfg.rl.ppo_epochs,
                        "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": t_sync,
                        "throughput/update_tokens_per_s": tokens * cfg.rl.ppo_epochs / max(t_update, 1e-9),
@@ -539,6 +638,8 @@ def train(config, workdir: str | None = None) -> dict:
                 _save(run, step + 1, before)
             run.writer.flush()
 
+        if producer is not None:
+            producer.close()
         # --- Final eval, checkpoint, summary ----------------------------------------------------------
         after = evaluate(run, cfg.rl.steps) if cfg.eval.num_tasks else {}
         _save(run, cfg.rl.steps, before, force=True)
@@ -563,14 +664,23 @@ def train(config, workdir: str | None = None) -> dict:
         with open(os.path.join(workdir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=2)
         return summary
+    except Exception:
+        if producer is not None:  # rollouts run on their own: stop them, keep what the trainer has done
+            producer.close()
+            producer.save_after_failure(before)
+        raise
     finally:
         _close_run(run)
 
 
-def close_runner(runner: asyncio.Runner, timeout_s: float = 30.0) -> None:
+def close_runner(runner: asyncio.Runner | ThreadedRunner, timeout_s: float = 30.0) -> None:
     """`runner.close()`, bounded: tasks still pending (e.g. an abandoned tool call that swallows cancellation)
     get `timeout_s` to end after being cancelled; if some never do, the loop is closed around them with a
-    warning instead of waiting forever (`asyncio.Runner.close` would)."""
+    warning instead of waiting forever (`asyncio.Runner.close` would). A ThreadedRunner (asynchronous training)
+    does the same on its own thread."""
+    if isinstance(runner, ThreadedRunner):
+        runner.close(timeout_s)
+        return
     loop = runner.get_loop()
     pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
     if pending:

@@ -82,7 +82,9 @@ def test_dynamic_sampling_stops_at_the_cap_and_fills_with_dropped_groups():
     assert len(run.agent.runs) == 3  # the first round and at most 2 more
     assert metrics == {"dynamic_sampling/rounds": 3.0, "dynamic_sampling/groups_kept": 0.0,
                        "dynamic_sampling/groups_dropped": 12.0, "dynamic_sampling/groups_filled": 4.0,
-                       "dynamic_sampling/chains_sampled": 24.0, "rollout/chain_errors_dropped": 0.0}
+                       "dynamic_sampling/chains_sampled": 24.0, "rollout/chain_errors_dropped": 0.0,
+                       # the agent's counters of the three rounds, combined
+                       "rollout/chains": 24.0, "rollout/envs_in_use_peak": 4.0, "rollout/turns_per_chain": 1.0}
     assert len(train_on) == 8 and len(sampled) == 24
     assert sorted({t.group_id for t in train_on}) == [0, 1, 2, 3]
 
@@ -91,7 +93,9 @@ def test_without_dynamic_sampling_one_round_is_trained_on_as_sampled():
     run = _run([_flat(f"f{i}") for i in range(8)])
     train_on, sampled, metrics = loop.rollout(run, step=0)
     assert train_on is sampled and len(train_on) == 8 and len(run.agent.runs) == 1
-    assert metrics == {"rollout/chain_errors_dropped": 0.0}
+    counters = {f"rollout/{k}": v for k, v in run.agent.last_run_stats.items()}
+    assert metrics == {"rollout/chain_errors_dropped": 0.0, **counters}
+    assert metrics["rollout/chains"] == 8.0  # the agent's counters of this very call
 
 
 def test_extra_rounds_are_reproducible_for_a_resumed_run():
