@@ -144,7 +144,7 @@ class ScriptedBackend(GenerationBackend):
             completions.append(Completion(ids, [0.0] * len(ids), "stop", self.weight_version))
         return completions
 
-    async def update_weights(self, params: Any, version: int) -> None:
+    async def update_weights(self, params: Any, version: int, *, interrupt: bool = False) -> None:
         raise NotImplementedError("a scripted policy has no weights to update")
 
 

@@ -8,6 +8,10 @@ whose tools are slow delays only itself.
 
 Each chain holds a `ToolContext`: environments are acquired on first use and released when the chain
 ends for any reason, including cancellation (a Ctrl-C, a deadline, the caller cancelling `run`).
+
+Every sampled token keeps the weight version that sampled it (`Completion.token_versions` when the backend
+reports them, else the turn's reported or served version), aligned with the chain's tokens (-1 on tokens the
+policy did not sample); the Trajectory's `policy_version` is the oldest of them, `policy_version_max` the newest.
 """
 
 from __future__ import annotations
@@ -199,6 +203,8 @@ class ChainState:
     prompt_ids: list[int]
     encoder: ConversationEncoder | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)  # aligned with encoder.token_ids
+    # aligned with encoder.token_ids: the weight version that sampled each token, -1 where the policy did not
+    token_versions: list[int] = dataclasses.field(default_factory=list)
     keep_tokens: int | None = None  # set when an observation overflowed the context: tokens to keep
     num_turns: int = 0
     last_text: str = ""
@@ -206,6 +212,7 @@ class ChainState:
     tool_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     tool_latencies: list[float] = dataclasses.field(default_factory=list)
     generation_latencies: list[float] = dataclasses.field(default_factory=list)
+    # per turn: the version of its first token (else the one served when it was requested)
     policy_versions: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -237,6 +244,7 @@ async def _chain_turns(
     encoder.start(agent.build_messages(state.task), tools=agent.template_tools())
     state.encoder = encoder
     state.logprobs = [0.0] * len(encoder.token_ids)
+    state.token_versions = [-1] * len(encoder.token_ids)
     for turn in range(max_turns):
         room = agent.max_context_tokens - len(encoder.token_ids)
         if room <= 0:
@@ -261,13 +269,25 @@ async def _chain_turns(
             raise RuntimeError("the backend returned a non-finite logprob for a sampled token")
         if completion.finish_reason == "abort":
             raise RuntimeError("the backend aborted the request")
+        # The version that sampled each token when the backend reports it (weights swapped mid-turn give a turn
+        # several), else the version that sampled the turn's first token, else the one served when the request
+        # went out, for every token of the turn.
+        reported = getattr(completion, "weight_version", None)
+        turn_version = int(reported) if reported is not None else version
+        reported_tokens = getattr(completion, "token_versions", None)
+        if reported_tokens is None:
+            turn_versions = [turn_version] * len(sampled)
+        else:
+            turn_versions = [int(v) for v in reported_tokens]
+            if len(turn_versions) != len(sampled):
+                raise RuntimeError(
+                    f"the backend returned {len(turn_versions)} token versions for {len(sampled)} tokens"
+                )
         state.last_text = agent.decode_turn(sampled)
         encoder.append_assistant(sampled, {"role": "assistant", "content": state.last_text})
         state.logprobs.extend(float(logprob) for logprob in completion.logprobs)
-        # The version that sampled the turn's first token when the backend reports it, else the one served
-        # when the request went out.
-        reported = getattr(completion, "weight_version", None)
-        state.policy_versions.append(int(reported) if reported is not None else version)
+        state.token_versions.extend(turn_versions)
+        state.policy_versions.append(turn_versions[0] if turn_versions else turn_version)
         state.num_turns += 1
         stats.turns += 1
         progress.changed()
@@ -312,6 +332,7 @@ async def _chain_turns(
         before = len(encoder.token_ids)
         encoder.append_messages(agent.observation_messages(results), add_generation_prompt=not last_turn)
         state.logprobs.extend([0.0] * (len(encoder.token_ids) - before))
+        state.token_versions.extend([-1] * (len(encoder.token_ids) - before))
         if len(encoder.token_ids) > agent.max_context_tokens:
             state.keep_tokens = before  # the observation does not fit: the chain ends at its last turn
             state.finish_reason = "max_context"
@@ -323,12 +344,17 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
     """The Trajectory of a chain as it stands (finished, failed or cancelled part-way)."""
     if state.encoder is not None:
         token_ids, action_mask = list(state.encoder.token_ids), list(state.encoder.action_mask)
-        logprobs = list(state.logprobs)
+        logprobs, token_versions = list(state.logprobs), list(state.token_versions)
         messages = list(state.encoder.messages)
     else:
         token_ids, action_mask = list(state.prompt_ids), [0] * len(state.prompt_ids)
         logprobs, messages = [0.0] * len(state.prompt_ids), None
+        token_versions = [-1] * len(state.prompt_ids)
     keep = state.keep_tokens if state.keep_tokens is not None else len(token_ids)
+    # Staleness counts from the oldest sampled token; a chain that sampled nothing gets its turns' versions
+    # (or the version served now).
+    sampled_versions = [v for v, bit in zip(token_versions[:keep], action_mask[:keep]) if bit]
+    versions = sampled_versions or state.policy_versions or [default_version]
     metrics: dict[str, Any] = {
         "generation_latency_s": sum(state.generation_latencies),
         "generation_latency_s_max": max(state.generation_latencies, default=0.0),
@@ -338,7 +364,6 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
     }
     for kind in TOOL_ERROR_KINDS:
         metrics[f"tool_errors/{kind}"] = state.tool_errors[kind]
-    versions = state.policy_versions or [default_version]
     metrics["policy_version_min"] = min(versions)
     metrics["policy_version_max"] = max(versions)
     if state.error is not None:
@@ -351,11 +376,13 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
         token_ids=token_ids[:keep],
         action_mask=action_mask[:keep],
         sampler_logprobs=logprobs[:keep],
+        token_versions=token_versions[:keep],
         group_id=state.group_id,
         num_turns=state.num_turns,
         tool_calls=len(state.records),
         tool_call_records=list(state.records),
-        policy_version=versions[0],
+        policy_version=min(versions),
+        policy_version_max=max(versions),
         finish_reason=state.finish_reason or "cancelled",
         metrics=metrics,
         messages=messages,

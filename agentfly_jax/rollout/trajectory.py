@@ -36,6 +36,13 @@ class Trajectory:
     `token_ids` are never re-tokenised from text: sampled turns are kept as the engine returned them.
     `action_mask` is 1 on tokens the policy sampled, 0 on prompt, tool/environment and template tokens.
     `sampler_logprobs` holds the engine's log-probability of each sampled token and 0.0 elsewhere.
+    `token_versions` holds the weight version that sampled each token and -1 elsewhere (several versions when the
+    weights changed during the chain: between turns, or within one with partial rollouts). Left out, every
+    sampled token is taken to be `policy_version`'s.
+    `policy_version` is the OLDEST version among the sampled tokens: staleness (trainer version minus it) is
+    measured from it, so a chain counts as old as its oldest token. `policy_version_max` is the newest. Both are
+    derived from `token_versions` when not given and must agree with them when given. A trajectory without
+    sampled tokens keeps the versions it is given (default 0, and policy_version_max = policy_version).
     `flags` names things that went wrong but did not stop the rollout (e.g. "reward_failed").
     """
 
@@ -48,11 +55,13 @@ class Trajectory:
     num_turns: int = 0
     tool_calls: int = 0
     tool_call_records: list[ToolCallRecord] = dataclasses.field(default_factory=list)
-    policy_version: int = 0
+    policy_version: int | None = None  # None: derived (the oldest token version, or 0)
     finish_reason: str = "stop"
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     messages: list[dict[str, Any]] | None = None
     flags: set[str] = dataclasses.field(default_factory=set)
+    token_versions: list[int] | None = None  # None: policy_version on sampled tokens, -1 elsewhere
+    policy_version_max: int | None = None  # None: derived (the newest token version)
 
     def __post_init__(self):
         self.token_ids = [int(token) for token in self.token_ids]
@@ -97,11 +106,14 @@ class Trajectory:
             raise ValueError(
                 f"Trajectory.reward must be finite, got {self.reward}; flag failed rewards instead"
             )
-        for name in ("group_id", "num_turns", "tool_calls", "policy_version"):
+        for name in ("group_id", "num_turns", "tool_calls", "policy_version", "policy_version_max"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            if value is None and name.startswith("policy_version"):
+                continue  # derived below
+            if not _is_int(value) or value < 0:
                 raise ValueError(f"Trajectory.{name} must be a non-negative int, got {value!r}")
             setattr(self, name, int(value))
+        self._check_versions()
         if self.tool_call_records and len(self.tool_call_records) != self.tool_calls:
             raise ValueError(
                 f"Trajectory.tool_calls is {self.tool_calls} but tool_call_records has "
@@ -111,6 +123,58 @@ class Trajectory:
             raise ValueError(
                 f"Trajectory.finish_reason must be a non-empty string, got {self.finish_reason!r}"
             )
+
+    def _check_versions(self) -> None:
+        """Fills token_versions / policy_version / policy_version_max in and checks that they agree."""
+        if self.token_versions is None:
+            version = 0 if self.policy_version is None else self.policy_version
+            self.token_versions = [version if bit else -1 for bit in self.action_mask]
+        else:
+            if len(self.token_versions) != len(self.token_ids):
+                raise ValueError(
+                    f"Trajectory.token_versions has {len(self.token_versions)} entries but token_ids has "
+                    f"{len(self.token_ids)}: both must have one entry per token"
+                )
+            bad = _first(not _is_int(version) for version in self.token_versions)
+            if bad is not None:
+                raise ValueError(
+                    f"Trajectory.token_versions must be ints, got {self.token_versions[bad]!r} at position {bad}"
+                )
+            self.token_versions = [int(version) for version in self.token_versions]
+            bad = _first(
+                (version < 0) if bit else (version != -1)
+                for bit, version in zip(self.action_mask, self.token_versions)
+            )
+            if bad is not None:
+                raise ValueError(
+                    f"Trajectory.token_versions is {self.token_versions[bad]} at position {bad} where action_mask "
+                    f"is {self.action_mask[bad]}: sampled tokens carry the (non-negative) weight version that "
+                    "sampled them, the others -1"
+                )
+        sampled = [version for bit, version in zip(self.action_mask, self.token_versions) if bit]
+        if not sampled:
+            self.policy_version = 0 if self.policy_version is None else self.policy_version
+            if self.policy_version_max is None:
+                self.policy_version_max = self.policy_version
+            if self.policy_version_max < self.policy_version:
+                raise ValueError(
+                    f"Trajectory.policy_version_max={self.policy_version_max} is older than "
+                    f"policy_version={self.policy_version}"
+                )
+            return
+        for name, value, what in (
+            ("policy_version", min(sampled), "oldest"),
+            ("policy_version_max", max(sampled), "newest"),
+        ):
+            given = getattr(self, name)
+            if given is None:
+                setattr(self, name, value)
+            elif given != value:
+                raise ValueError(
+                    f"Trajectory.{name} is {given} but the {what} version among the sampled tokens is {value}: "
+                    f"{name} is the {what} entry of token_versions (give token_versions when several versions "
+                    "sampled the chain, or leave it out to derive it)"
+                )
 
     @property
     def length(self) -> int:
@@ -126,6 +190,10 @@ class Trajectory:
     def chain_error(self) -> bool:
         """Whether the chain ended in a runtime error (its reward says nothing about the policy)."""
         return CHAIN_ERROR_FLAG in self.flags or self.finish_reason == "error"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _first(conditions) -> int | None:
@@ -145,7 +213,9 @@ def trajectories_to_batch(
 
     The row length T is `pad_to`, or the longest trajectory rounded up to a multiple of 64.
     Returns `tokens`, `positions` (0..len-1, 0 on padding), `segment_ids` (1 on tokens, 0 on padding),
-    `action_mask`, `sampler_logprobs` [N, T]; `rewards`, `group_ids`, `lengths`, `policy_versions` [N].
+    `action_mask`, `sampler_logprobs` [N, T]; `rewards`, `group_ids`, `lengths` [N]; `policy_versions` [N] (each
+    trajectory's oldest sampled-token version, what staleness is measured from) and `policy_versions_max` [N]
+    (its newest).
     """
     if not trajectories:
         raise ValueError("trajectories_to_batch() got no trajectories")
@@ -185,4 +255,5 @@ def trajectories_to_batch(
         "group_ids": np.array([trajectory.group_id for trajectory in trajectories], dtype=np.int32),  # [N]
         "lengths": lengths,  # [N]
         "policy_versions": np.array([t.policy_version for t in trajectories], dtype=np.int32),  # [N]
+        "policy_versions_max": np.array([t.policy_version_max for t in trajectories], dtype=np.int32),  # [N]
     }

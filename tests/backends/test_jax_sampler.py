@@ -213,8 +213,8 @@ def test_update_weights_changes_outputs_without_recompiling(tiny_model, tiny_par
 
 
 def test_update_weights_while_sequences_run(tiny_model, tiny_params_b):
-    """A swap between decode calls: running sequences go on (on the new weights), nothing is recompiled, and a
-    request started afterwards is sampled entirely by the new weights."""
+    """A swap between decode calls (interrupt=True): running sequences go on (on the new weights), nothing is
+    recompiled, and a request started afterwards is sampled entirely by the new weights."""
     model, _ = tiny_model
     sampler = make_sampler(tiny_model, max_len=256, steps_per_call=2)
     prompt = prompts(1, seed=9)[0]
@@ -226,7 +226,7 @@ def test_update_weights_while_sequences_run(tiny_model, tiny_params_b):
             running = asyncio.create_task(sampler.generate(prompt, max_tokens=150, temperature=1.0, n=4))
             while sampler.stats["tokens"] < 150 + 8:
                 await asyncio.sleep(0.005)
-            await sampler.update_weights(tiny_params_b, version=7)
+            await sampler.update_weights(tiny_params_b, version=7, interrupt=True)
             after = (await sampler.generate(prompt, max_tokens=16, temperature=0.0))[0]
             return await running, after, compiles
 

@@ -173,7 +173,7 @@ class TurnScriptBackend(GenerationBackend):
         ids = self.tokenizer.encode(reply, add_special_tokens=False) + [stop_token_ids[0]]
         return [Completion(ids, [0.0] * len(ids), "stop") for _ in range(n)]
 
-    async def update_weights(self, params, version):
+    async def update_weights(self, params, version, *, interrupt=False):
         self.weight_version = version
 
 

@@ -50,7 +50,7 @@ class ScriptedJudgeBackend(GenerationBackend):
             ids = ids + list(stop_token_ids[:1])
         return [Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=self.finish_reason)] * n
 
-    async def update_weights(self, params, version):
+    async def update_weights(self, params, version, *, interrupt=False):
         raise NotImplementedError("the scripted judge has no weights")
 
 
@@ -237,8 +237,8 @@ class CountingBackend(GenerationBackend):
         self.requests.append((list(prompt_token_ids), options))
         return await self.backend.generate(prompt_token_ids, **options)
 
-    async def update_weights(self, params, version):
-        await self.backend.update_weights(params, version)
+    async def update_weights(self, params, version, *, interrupt=False):
+        await self.backend.update_weights(params, version, interrupt=interrupt)
 
 
 @pytest.fixture(scope="module")

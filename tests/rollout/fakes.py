@@ -46,8 +46,10 @@ class FakeScriptedBackend(GenerationBackend):
 
     latency_s: seconds each generate call takes (a float, or a function of the FakePrompt).
     The returned ids are `tokenizer.encode(text) + [stop]`, truncated to max_tokens ("length") if longer.
-    report_weight_version: set Completion.weight_version to the version current when the reply is made.
-    Records every call (prompt ids, max_tokens, seed) and the peak number of calls in flight.
+    report_weight_version: set Completion.weight_version to the version current when the reply is made, and
+      Completion.token_versions to that version for every token (the whole reply is "sampled" at once).
+    Records every call (prompt ids, max_tokens, seed), the peak number of calls in flight and every
+    update_weights call as (version, interrupt) in `weight_updates`.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class FakeScriptedBackend(GenerationBackend):
         self.peak_in_flight = 0
         self.weight_version = 0
         self.report_weight_version = report_weight_version
+        self.weight_updates: list[tuple[int, bool]] = []
 
     async def generate(
         self,
@@ -106,8 +109,15 @@ class FakeScriptedBackend(GenerationBackend):
             ids, finish_reason = ids[:max_tokens], "length"
         logprobs = [fake_logprob(position) for position in range(len(ids))]
         version = self.weight_version if self.report_weight_version else None
+        token_versions = [version] * len(ids) if self.report_weight_version else None
         return [
-            Completion(token_ids=ids, logprobs=logprobs, finish_reason=finish_reason, weight_version=version)
+            Completion(
+                token_ids=ids,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                weight_version=version,
+                token_versions=token_versions,
+            )
             for _ in range(n)
         ]
 
@@ -123,8 +133,9 @@ class FakeScriptedBackend(GenerationBackend):
                 break
         return FakePrompt(ids=ids, turn=headers - 1, question=question, tokenizer=self.tokenizer)
 
-    async def update_weights(self, params: Any, version: int) -> None:
-        """Only records the version: the script is the model."""
+    async def update_weights(self, params: Any, version: int, *, interrupt: bool = False) -> None:
+        """Only records the version (and the call): the script is the model, a reply is made all at once."""
+        self.weight_updates.append((version, interrupt))
         self.weight_version = version
 
 

@@ -65,7 +65,7 @@ class RunOnModel(GenerationBackend):
             ids, finish = stream[:max_tokens], "length"
         return [Completion(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason=finish) for _ in range(n)]
 
-    async def update_weights(self, params, version):
+    async def update_weights(self, params, version, *, interrupt=False):
         pass
 
 

@@ -80,6 +80,7 @@ def test_batch_arrays_are_padded_rows_with_positions_and_segments():
         "group_ids": np.int32,
         "lengths": np.int32,
         "policy_versions": np.int32,
+        "policy_versions_max": np.int32,
     }
     assert {key: value.dtype for key, value in batch.items()} == expected_dtypes
     np.testing.assert_array_equal(batch["tokens"][0], [10, 11, 12] + [99] * 125)
@@ -97,6 +98,7 @@ def test_batch_arrays_are_padded_rows_with_positions_and_segments():
     np.testing.assert_array_equal(batch["group_ids"], [0, 5])
     np.testing.assert_array_equal(batch["lengths"], [3, 70])
     np.testing.assert_array_equal(batch["policy_versions"], [4, 5])
+    np.testing.assert_array_equal(batch["policy_versions_max"], [4, 5])  # no token_versions: one version each
 
 
 def test_bucket_and_pad_to():

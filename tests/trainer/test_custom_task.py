@@ -73,7 +73,7 @@ class NoSampling(GenerationBackend):
     async def generate(self, prompt_token_ids, **sampling):
         raise AssertionError("the scripted agent does not sample")
 
-    async def update_weights(self, params, version):
+    async def update_weights(self, params, version, *, interrupt=False):
         self.weight_version = version
 
 

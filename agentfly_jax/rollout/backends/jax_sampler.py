@@ -24,10 +24,22 @@ top-p/top-k truncation: exactly what the trainer recomputes (`token_logprobs(...
 importance ratio trainer/sampler is 1 on-policy. (vLLM returns the truncated, renormalised logprob instead when
 top-p/top-k are active; see VLLMBackend.) temperature=0 means greedy; its logprobs are at temperature 1.
 
-Weights. `update_weights(params, version)` swaps the parameter tree between two decode calls; the jitted
-programs take params as an argument, so same shapes and dtypes mean no recompilation. The sampler keeps its
-own copy of the params (on its device, in the dtypes it started with): the trainer may donate its buffers. A sequence in flight
-continues on the new weights; each Completion records the version that sampled its first token.
+Weights. `update_weights(params, version, interrupt=...)` swaps the parameter tree between two decode calls; the
+jitted programs take params as an argument, so same shapes and dtypes mean no recompilation. The sampler keeps
+its own copy of the params (on its device, in the dtypes it started with): the trainer may donate its buffers.
+  interrupt=False (the default): waiting sequences are no longer admitted; the decode loop runs on until the
+    sequences in flight have finished on the old weights (the update awaits an event set when the last occupied
+    slot is released, or the loop failing or closing); then the params are swapped, `weight_version` bumped and
+    admission resumes, so every completion is sampled by one version. `stats["drain_wait_s"]` sums the time
+    updates waited, `stats["drained_sequences"]` the sequences they waited for.
+  interrupt=True (partial rollouts): the params are swapped at once; sequences in flight continue on the new
+    weights from the next decode call (`stats["interrupted_sequences"]` counts them). Their KV cache stays as it
+    was computed (prompt and earlier tokens by the old weights): the logprob recorded for each token is that of
+    the distribution that actually sampled it, so the trainer's importance correction against it is exact.
+Each Completion carries `token_versions`, the version whose params the decode call that sampled each token used.
+Since the next call is dispatched before the previous one is read back, the version is taken when a call is
+dispatched, together with the slot owners of that call, not when its tokens are collected. `weight_version` is
+the first token's. Updates run one at a time, in the order they were called.
 Runs on one device (the first, or `device=`).
 """
 from __future__ import annotations
@@ -36,6 +48,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 
 import jax
@@ -120,7 +133,8 @@ class _Request:
     tokens: list = dataclasses.field(default_factory=list)  # per sample
     logprobs: list = dataclasses.field(default_factory=list)
     finish: list = dataclasses.field(default_factory=list)
-    versions: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)  # per sample: the version served when admitted
+    token_versions: list = dataclasses.field(default_factory=list)  # per sample: the version of each token
     remaining: int = 0  # samples not finished
 
     def __post_init__(self):
@@ -128,6 +142,7 @@ class _Request:
         self.logprobs = [[] for _ in range(self.n)]
         self.finish = [None] * self.n
         self.versions = [None] * self.n
+        self.token_versions = [[] for _ in range(self.n)]
         self.remaining = self.n
 
     @property
@@ -171,7 +186,8 @@ class JaxSampler(GenerationBackend):
         self.prefill_tokens = int(prefill_tokens)
         self.weight_version = 0
         self.compile_counts: collections.Counter = collections.Counter()
-        self.stats = collections.Counter()  # decode_calls, decode_steps, prefill_calls, tokens, ...
+        # decode_calls, decode_steps, prefill_calls, tokens, weight_updates, interrupted_sequences, drain_wait_s, ...
+        self.stats = collections.Counter()
         self._params = self._place_params(params, reference=None)
         self._rng = np.random.default_rng(seed)
         cache_dtype = cache_dtype or config.dtype
@@ -195,6 +211,9 @@ class JaxSampler(GenerationBackend):
         self._wakeup: asyncio.Event | None = None
         self._failure: BaseException | None = None
         self._closed = False
+        self._admission_paused = 0  # updates (interrupt=False) waiting for the sequences in flight to finish
+        self._drained: asyncio.Event | None = None  # set when the last occupied slot is released
+        self._update_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._build_programs()
 
     # ---------------------------------------------------------------------------------------- jitted programs
@@ -257,15 +276,74 @@ class JaxSampler(GenerationBackend):
         self._wakeup.set()
         return await request.future
 
-    async def update_weights(self, params, version: int) -> None:
-        """Serves `params` from the next decode call on (same tree, shapes and dtypes: no recompilation)."""
+    async def update_weights(self, params, version: int, *, interrupt: bool = False) -> None:
+        """Serves `params` as `version` (same tree, shapes and dtypes: no recompilation); see the module docstring.
+
+        interrupt=False waits until the sequences in flight have finished on the old weights (admitting none
+        meanwhile) and returns at once when none are; interrupt=True swaps before the next decode call and the
+        sequences in flight go on with the new weights. Raises RuntimeError if the decode loop fails while this
+        waits; if the sampler is closed meanwhile, the new params are installed and this returns.
+        """
+        loop = asyncio.get_running_loop()
+        if self._update_lock is None or self._update_lock[0] is not loop:
+            self._update_lock = (loop, asyncio.Lock())
+        async with self._update_lock[1]:  # one update at a time, in call order
+            if interrupt:
+                self.stats["interrupted_sequences"] += self._in_flight()
+            else:
+                await self._drain(loop)
+            self._install(params, version)
+
+    def _install(self, params, version: int):
         self._params = self._place_params(params, reference=self._params)
         self.weight_version = int(version)
         self.stats["weight_updates"] += 1
 
+    def _in_flight(self) -> int:
+        """Sequences holding a slot whose caller still waits for them."""
+        return sum(1 for owner in self._owners if owner is not None and not owner[0].dead)
+
+    def _occupied(self) -> bool:
+        return any(owner is not None for owner in self._owners)
+
+    async def _drain(self, loop):
+        """Stops admission and waits until no slot is occupied, the decode loop has stopped or the sampler closed.
+        Raises RuntimeError when the decode loop failed meanwhile."""
+        task = self._task
+        if not self._occupied() or task is None or task.done() or self._closed:
+            return  # nothing in flight, or no decode loop that could still advance it
+        if task.get_loop() is not loop:
+            if task.get_loop().is_closed():
+                return  # the event loop that ran those sequences is gone: none of them advances any more
+            raise RuntimeError("JaxSampler is serving another running event loop; call update_weights from the "
+                               "loop that runs its generate calls")
+        self.stats["drained_sequences"] += self._in_flight()
+        started = time.perf_counter()
+        self._admission_paused += 1
+        self._drained = asyncio.Event()
+        try:
+            while self._occupied() and not task.done() and not self._closed:
+                self._drained.clear()
+                drained = loop.create_task(self._drained.wait())
+                try:  # the loop task ends (failure, close, cancellation) without releasing: never wait forever
+                    await asyncio.wait([drained, task], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    drained.cancel()
+        finally:
+            self._admission_paused -= 1
+            if not self._admission_paused:
+                self._drained = None
+                if self._wakeup is not None:
+                    self._wakeup.set()  # admit the sequences that waited
+            self.stats["drain_wait_s"] += time.perf_counter() - started
+        if self._failure is not None:
+            raise RuntimeError(f"JaxSampler decode loop failed while update_weights waited for the sequences in "
+                               f"flight: {self._failure!r}") from self._failure
+
     async def health(self) -> dict:
         return {"ok": self._failure is None and not self._closed, "weight_version": self.weight_version,
                 "active_slots": int(self._cfg["alive"].sum()), "waiting": len(self._waiting),
+                "admission_paused": bool(self._admission_paused),
                 "compiles": dict(self.compile_counts),
                 **({"error": repr(self._failure)} if self._failure else {})}
 
@@ -350,9 +428,9 @@ class JaxSampler(GenerationBackend):
                 dispatched = self._dispatch() if self._cfg["alive"].any() else None
                 if pending is not None:
                     outputs = await asyncio.to_thread(jax.device_get, pending[0])
-                    self._collect(outputs, pending[1])
+                    self._collect(outputs, *pending[1:])
                 pending = dispatched
-                if pending is None and not self._waiting:
+                if pending is None and (not self._waiting or self._admission_paused):
                     self._wakeup.clear()
                     await self._wakeup.wait()
         except asyncio.CancelledError:
@@ -376,11 +454,15 @@ class JaxSampler(GenerationBackend):
         self._owners[slot] = None
         self._cfg["alive"][slot] = False
         self._cfg_device = None
+        if self._drained is not None and not self._occupied():
+            self._drained.set()  # an update waiting for the sequences in flight can swap now
 
     def _admit(self):
         """Moves waiting sequences into free slots: one batched prompt pass per length bucket, then a KV copy
         into each sequence's slot."""
         self._release_dead()
+        if self._admission_paused:
+            return  # a weight update waits for the sequences in flight; the waiting ones start on the new weights
         free = self._free_slots()
         if not free or not self._waiting:
             return
@@ -436,7 +518,8 @@ class JaxSampler(GenerationBackend):
         request.versions[sample] = self.weight_version
 
     def _dispatch(self):
-        """Queues one decode call (steps_per_call steps) on the device; returns (outputs, owners snapshot)."""
+        """Queues one decode call (steps_per_call steps) on the device; returns (outputs, owners snapshot, weight
+        version of the params it runs), all taken now: by collect time the owners or the params may have changed."""
         alive = self._cfg["alive"]
         steps = self.steps_per_call
         need = int(self._pos_bound[alive].max()) + steps  # every position this call may touch is < need
@@ -449,10 +532,11 @@ class JaxSampler(GenerationBackend):
         self._pos_bound[alive] = np.minimum(self._pos_bound[alive] + steps, self.max_len - 1)
         self.stats["decode_calls"] += 1
         self.stats["decode_steps"] += steps
-        return outputs, list(self._owners)
+        return outputs, list(self._owners), self.weight_version
 
-    def _collect(self, outputs, owners):
-        """Hands each slot's new tokens to its request; answers requests whose samples all finished."""
+    def _collect(self, outputs, owners, version):
+        """Hands each slot's new tokens to its request, each marked with `version` (the params that sampled it);
+        answers requests whose samples all finished."""
         tokens, logprobs, valid = outputs["tokens"], outputs["logprobs"], outputs["valid"]  # [steps, B]
         for slot in np.flatnonzero(valid.any(axis=0)):
             owner = owners[slot]
@@ -462,12 +546,14 @@ class JaxSampler(GenerationBackend):
             if request.finish[sample] is not None:
                 raise AssertionError(f"slot {slot} produced tokens after its sequence finished")
             out_tokens, out_logprobs = request.tokens[sample], request.logprobs[sample]
+            out_versions = request.token_versions[sample]
             for step in np.flatnonzero(valid[:, slot]):
                 if request.finish[sample] is not None:
                     raise AssertionError(f"slot {slot} produced tokens after its sequence finished")
                 token = int(tokens[step, slot])
                 out_tokens.append(token)
                 out_logprobs.append(float(logprobs[step, slot]))
+                out_versions.append(version)
                 if token in request.stop_ids:
                     request.finish[sample] = "stop"
                 elif len(out_tokens) >= request.budget:
@@ -483,7 +569,9 @@ class JaxSampler(GenerationBackend):
     @staticmethod
     def _completions(request: _Request, default_finish: str = "abort") -> list[Completion]:
         return [Completion(token_ids=list(request.tokens[i]), logprobs=list(request.logprobs[i]),
-                           finish_reason=request.finish[i] or default_finish, weight_version=request.versions[i])
+                           finish_reason=request.finish[i] or default_finish,
+                           weight_version=(request.token_versions[i] or [request.versions[i]])[0],
+                           token_versions=list(request.token_versions[i]))
                 for i in range(request.n)]
 
     def _abort_all(self, reason):
