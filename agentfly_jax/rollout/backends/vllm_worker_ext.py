@@ -5,9 +5,10 @@ agentfly_jax: it imports nothing from the package (scripts/start_vllm.sh loads a
 module name `agentfly_vllm_worker_ext`). `VLLMBackend` drives it:
 
   POST /pause?mode=wait                                  finish running requests, hold new ones
+       (or ?mode=keep, interrupt=True: freeze running requests; then IN_FLIGHT_LENGTHS, the tokens each has)
   POST /collective_rpc {method: STAGE, kwargs: {payload}}  once per chunk: base64 safetensors bytes, HF names
   POST /collective_rpc {method: COMMIT, kwargs: {version}} load every staged tensor at once, record the version
-  POST /resume, then POST /reset_prefix_cache            (cached KV blocks were computed with the old weights)
+  POST /reset_prefix_cache, then POST /resume            (cached KV blocks were computed with the old weights)
 
 or, for models too large to push through HTTP, `RELOAD_FROM_PATH` with a directory written by save_pretrained.
 `/collective_rpc` passes only JSON values, so payloads are base64 text and numbers travel as strings.
@@ -26,6 +27,7 @@ COMMIT = "agentfly_commit_weights"
 ABORT = "agentfly_abort_weight_update"
 RELOAD_FROM_PATH = "agentfly_reload_weights_from_path"
 WEIGHT_VERSION = "agentfly_weight_version"
+IN_FLIGHT_LENGTHS = "agentfly_in_flight_lengths"
 
 
 class WeightSyncExtension:
@@ -61,6 +63,17 @@ class WeightSyncExtension:
         retied = _retie_word_embeddings(self)
         self._agentfly_weight_version = int(version)
         return {"version": self._agentfly_weight_version, "path": path, "retied_lm_head": retied}
+
+    def agentfly_in_flight_lengths(self) -> dict:
+        """{"lengths": {engine request id: output tokens sampled so far}} of every request this worker holds.
+
+        Asked while the engine is paused with `mode=keep` (frozen: no step runs), right before new weights are
+        loaded: these are the tokens each in-flight sequence sampled on the old weights. Placeholders (-1) that
+        asynchronous scheduling appends for tokens not sampled yet are not counted.
+        """
+        requests = getattr(self.model_runner, "requests", {})
+        return {"lengths": {str(rid): sum(1 for t in state.output_token_ids if t >= 0)
+                            for rid, state in requests.items()}}
 
     def agentfly_weight_version(self) -> dict:
         """The version last committed through this extension (None: the weights the server started with)."""
