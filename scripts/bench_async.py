@@ -1,0 +1,154 @@
+"""Benchmark: asynchronous off-policy training against the synchronous loop on a long-tail agent workload.
+
+    python scripts/bench_async.py                       # 12 steps x 16 tasks x 4 chains, staleness 0 vs 2
+    python scripts/bench_async.py --steps 4 --generation 0.05    # the short version CI runs (a test)
+
+Workload: the quickstart's arithmetic task, trained by the real trainer loop (`agentfly_jax.trainer.loop.train`:
+GRPO, the real jitted update of the quickstart's tiny model, weight sync, metrics), with the rollout's model
+replaced by the scripted FAKE backend of the tests (tests/rollout/fakes.py: it returns real token ids of the task's
+tokenizer after an asyncio.sleep of `--generation` seconds per turn). The script gives the workload a long tail:
+the chains of one task in `--tail-every` write `--long-turns` calculator calls before answering, the others one
+— so every step's rollout waits for a few chains many turns longer than the rest, as in agentic RL.
+
+Measured: trajectories per second over the RL steps after the first (the first step's compile excluded), for
+`rl.max_staleness=0` (the synchronous loop) and each `--staleness` value, in one invocation, on the same
+workload; the ratio is asynchronous / synchronous. Prints one JSON line per mode and a summary line.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from agentfly_jax.trainer import builders, loop
+from experiments import quickstart
+from tests.rollout.fakes import FakePrompt, FakeScriptedBackend
+
+
+def long_tail_script(long_turns: int, tail_every: int, seed: int = 0):
+    """The scripted agent: a chain of a "long" task (one in `tail_every`, by its question) calls the calculator
+    `long_turns` times, other chains once; then it answers, right half of the time (so groups have signal)."""
+    rng = random.Random(seed)
+
+    def script(prompt: FakePrompt) -> str:
+        digits = "".join(ch for ch in prompt.question if ch.isdigit())
+        calls = long_turns if int(digits or 0) % tail_every == 0 else 1
+        expression = prompt.question.removeprefix("What is ").rstrip("?").strip() or "1 + 1"
+        if prompt.turn < calls:
+            return '<tool_call>{"name": "calculator", "arguments": {"expression": "' + expression + '"}}</tool_call>'
+        result = prompt.text.rsplit("<tool_response>", 1)[-1].split("</tool_response>", 1)[0].strip()
+        return "The answer is " + (result if rng.random() < 0.5 else "0")
+
+    return script
+
+
+def config(args, staleness: int, workdir: str):
+    c = quickstart.get_config()
+    c.workdir = workdir
+    c.progress = False
+    c.sft.stages = ()  # the scripted backend needs no warm start
+    c.eval.update({"num_tasks": 0, "every": 0, "sampled_chains": 0})
+    c.task.num_eval = 0
+    c.checkpoint.every = 0
+    c.rl.update({"steps": args.steps, "tasks_per_step": args.tasks, "chains_per_task": args.chains,
+                 "max_staleness": staleness, "partial_rollouts": bool(staleness and args.partial)})
+    c.loss.is_cap = 2.0
+    c.agent.update({"max_turns": args.long_turns + 1, "max_context_tokens": 448, "max_new_tokens": 48})
+    c.seq_buckets = (128, 256, 512)
+    return c
+
+
+@contextlib.contextmanager
+def scripted_training(make_backend):
+    """While open, `loop.train` rolls out with `make_backend(tokenizer)` instead of the configured backend, and
+    the end of every weight sync is timed into the yielded list."""
+    marks: list[float] = []
+    tokenizers = []
+    saved = builders.build_tokenizer, builders.build_backend, loop.sync_weights
+
+    def build_tokenizer(*a, **k):
+        tokenizers.append(saved[0](*a, **k))
+        return tokenizers[-1]
+
+    def build_backend(cfg, model, params, workdir=None):
+        return make_backend(tokenizers[-1])
+
+    def sync_weights(run, version):
+        seconds = saved[2](run, version)
+        marks.append(time.perf_counter())
+        return seconds
+
+    builders.build_tokenizer, builders.build_backend, loop.sync_weights = build_tokenizer, build_backend, sync_weights
+    try:
+        yield marks
+    finally:
+        builders.build_tokenizer, builders.build_backend, loop.sync_weights = saved
+
+
+def run_mode(args, staleness: int) -> dict:
+    """One training run; trajectories/s from the end of step 1 to the end of the last step."""
+    def make_backend(tokenizer):
+        return FakeScriptedBackend(tokenizer, long_tail_script(args.long_turns, args.tail_every),
+                                   latency_s=args.generation, report_weight_version=True)
+
+    with scripted_training(make_backend) as marks, tempfile.TemporaryDirectory() as workdir:
+        loop.train(config(args, staleness, workdir))
+        with open(os.path.join(workdir, "tensorboard", "metrics.jsonl")) as fh:
+            rows = [json.loads(line) for line in fh]
+    steps = [r for r in rows if "reward/mean" in r]
+    if len(marks) != args.steps or len(steps) != args.steps:
+        raise RuntimeError(f"expected {args.steps} steps, saw {len(marks)} weight syncs and {len(steps)} rows")
+    trajectories = sum(r["rollout/chains"] for r in steps[1:])
+    seconds = marks[-1] - marks[0]
+    turns = [r["rollout/turns_per_chain"] for r in steps]
+    out = {"mode": "sync" if not staleness else f"async_staleness_{staleness}", "max_staleness": staleness,
+           "partial_rollouts": bool(staleness and args.partial), "steps_timed": args.steps - 1,
+           "trajectories": trajectories, "seconds": round(seconds, 3),
+           "trajectories_per_s": round(trajectories / seconds, 2),
+           "rollout_s_mean": round(sum(r["time/rollout_s"] for r in steps[1:]) / (args.steps - 1), 3),
+           "update_s_mean": round(sum(r["time/update_s"] for r in steps[1:]) / (args.steps - 1), 3),
+           "turns_per_chain_mean": round(sum(turns) / len(turns), 2)}
+    if staleness:
+        out["staleness_mean"] = round(sum(r["async/staleness_mean"] for r in steps) / len(steps), 2)
+        out["staleness_max"] = max(r["async/staleness_max"] for r in steps)
+        out["trainer_wait_s_mean"] = round(sum(r["async/trainer_wait_s"] for r in steps[1:]) / (args.steps - 1), 3)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tasks", type=int, default=16)
+    parser.add_argument("--chains", type=int, default=4)
+    parser.add_argument("--generation", type=float, default=0.25, help="seconds a scripted turn takes")
+    parser.add_argument("--long-turns", type=int, default=8, help="calculator calls of a long-tail chain")
+    parser.add_argument("--tail-every", type=int, default=8, help="one task in this many is a long one")
+    parser.add_argument("--staleness", default="2", help="comma-separated max_staleness values to compare")
+    parser.add_argument("--partial", action="store_true", help="asynchronous runs with rl.partial_rollouts")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step, which compiles, is not timed)")
+    results = [run_mode(args, 0)]
+    print(json.dumps(results[0]), flush=True)
+    for staleness in (int(v) for v in args.staleness.split(",")):
+        results.append(run_mode(args, staleness))
+        print(json.dumps(results[-1]), flush=True)
+    base = results[0]["trajectories_per_s"]
+    summary = {"machine": f"{platform.machine()} CPU x{os.cpu_count()}", "workload": vars(args),
+               "speedup": {r["mode"]: round(r["trajectories_per_s"] / base, 2) for r in results[1:]}}
+    print(json.dumps(summary), flush=True)
+    return {"results": results, **summary}
+
+
+if __name__ == "__main__":
+    main()
