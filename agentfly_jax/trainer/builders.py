@@ -224,7 +224,23 @@ def critic_from_policy(policy: CausalLM, policy_params) -> tuple[ValueModel, Any
 
 # -------------------------------------------------------------------------------------------------- mesh
 def build_mesh(cfg: TrainConfig):
-    return shd.make_mesh(dataclasses.asdict(cfg.mesh))
+    """The training mesh: every device, or every device but the sampler's (`jax_sampler.separate_device`)."""
+    return shd.make_mesh(dataclasses.asdict(cfg.mesh), devices=trainer_devices(cfg))
+
+
+def trainer_devices(cfg: TrainConfig) -> list:
+    devices = jax.devices()
+    if not cfg.jax_sampler.separate_device:
+        return devices
+    if len(devices) < 2:
+        raise ValueError(f"config.jax_sampler.separate_device=True needs at least 2 devices; this process has "
+                         f"{len(devices)} ({devices[0].platform}): unset it")
+    return devices[:-1]
+
+
+def sampler_device(cfg: TrainConfig):
+    """The JAX sampler's device: the last one when it is kept apart from the training mesh, else the first."""
+    return jax.devices()[-1] if cfg.jax_sampler.separate_device else jax.devices()[0]
 
 
 def sharding_rules(cfg: TrainConfig):
@@ -264,7 +280,9 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None):
         # traffic per decoded token); each weight sync casts the trained fp32 parameters to it
         compute = jnp.dtype(model.config.dtype)
         served = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-        return JaxSampler(model, served, seed=cfg.seed, **dataclasses.asdict(cfg.jax_sampler))
+        options = dataclasses.asdict(cfg.jax_sampler)
+        del options["separate_device"]
+        return JaxSampler(model, served, seed=cfg.seed, device=sampler_device(cfg), **options)
     from agentfly_jax.rollout.backends import LocalVLLMServers, VLLMBackend
 
     v = cfg.vllm

@@ -143,6 +143,9 @@ class JaxSamplerSection:
     steps_per_call: int = knob(8, *POSITIVE)
     prefill_tokens: int = knob(8192, *POSITIVE)
     min_bucket: int = knob(16, *POSITIVE)
+    # the sampler on the last local device and the training mesh on the others (>= 2 devices): generation and
+    # updates then never queue behind each other on one device (asynchronous training on a GPU box)
+    separate_device: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +412,9 @@ class TrainConfig:
             raise ConfigError(f"config.rl.max_staleness={self.rl.max_staleness} trains on trajectories sampled by "
                               "older policies: set config.loss.is_cap (e.g. 2.0), the cap of the behaviour-policy "
                               "importance weights that correct for it (decoupled PPO), or use max_staleness=0")
+        if self.jax_sampler.separate_device and self.backend != "jax":
+            raise ConfigError("config.jax_sampler.separate_device=True is for the JAX sampler: with "
+                              f"config.backend={self.backend!r} generation runs on the servers; unset it")
         if self.rl.partial_rollouts and not self.rl.max_staleness:
             raise ConfigError("config.rl.partial_rollouts=True has no effect with config.rl.max_staleness=0 (the "
                               "synchronous loop syncs weights when no sequence is in flight): set max_staleness "

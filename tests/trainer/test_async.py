@@ -242,3 +242,28 @@ def test_a_lost_server_stops_the_run_with_the_trainer_state_saved(tmp_path, faul
         assert max(steps) == 2
     else:
         assert max(steps) >= 1
+
+
+def test_separate_sampler_device_keeps_generation_off_the_training_mesh(tmp_path):
+    import jax
+
+    c = quickstart.get_config("cpu")
+    c.workdir = str(tmp_path)
+    c.jax_sampler.separate_device = True
+    c.rl.max_staleness, c.loss.is_cap = 1, 2.0
+    run = loop.setup(c)
+    try:
+        devices = jax.devices()
+        assert run.backend.device == devices[-1]
+        assert sorted(d.id for d in run.mesh.devices.flat) == sorted(d.id for d in devices[:-1])
+        assert {d.id for leaf in jax.tree.leaves(run.state.policy.params) for d in leaf.devices()} <= {
+            d.id for d in devices[:-1]}
+        loop.sync_weights(run, 1)  # the trained params (on the mesh) reach the sampler's own device
+        assert {d.id for leaf in jax.tree.leaves(run.backend._params) for d in leaf.devices()} == {devices[-1].id}
+        [completion] = run.runner.run(run.backend.generate([1, 2, 3], max_tokens=4, temperature=1.0, seed=0))
+        assert len(completion.token_ids) >= 1 and completion.token_versions[0] == 1
+    finally:
+        loop._close_run(run)
+    c.backend, c.vllm.launch = "vllm", True
+    with pytest.raises(ConfigError, match="separate_device"):
+        TrainConfig.build(c)
