@@ -81,9 +81,10 @@ class GenerationBackend(abc.ABC):
           are in flight. Every completion is then sampled by one version.
         interrupt=True (partial rollouts): swaps as soon as the engine allows (between two decode steps) without
           waiting; sequences in flight go on with the new weights, and their tokens sampled after the swap carry the
-          new version in `Completion.token_versions`. The engine keeps what it has computed for those sequences
-          (their KV cache) as it is, so each token's recorded logprob is that of the distribution that actually
-          sampled it, and an importance correction against the recorded logprobs stays exact.
+          new version in `Completion.token_versions`. Whether the engine keeps what it computed for those sequences
+          (the JAX sampler keeps their KV cache) or recomputes it with the new weights (vLLM, on resume), each
+          token's recorded logprob is that of the distribution that actually sampled it, so an importance correction
+          against the recorded logprobs stays exact.
 
         No decode step ever mixes old and new weights; `weight_version` reads `version` once this returns.
         """
