@@ -155,7 +155,7 @@ def test_config_refuses_async_without_the_off_policy_correction_and_partial_with
 
 
 # ------------------------------------------------------------------------------------------ the loop, async
-BENCH = ["--steps", "3", "--tasks", "4", "--chains", "2", "--generation", "0.1", "--long-turns", "5",
+BENCH = ["--steps", "5", "--tasks", "4", "--chains", "2", "--generation", "0.1", "--long-turns", "5",
          "--tail-every", "2"]
 
 
@@ -163,7 +163,7 @@ def test_bench_async_short_version_trains_faster_within_the_staleness_bound():
     out = bench_async.main(BENCH)
     sync, async_ = out["results"]
     for result in (sync, async_):
-        assert result["trajectories"] == 2 * 4 * 2  # the 2 timed steps, every chain
+        assert result["trajectories"] == 3 * 4 * 2  # the 3 timed steps (after the first 2), every chain
         assert result["turns_per_chain_mean"] > 2  # the long tail is there
     assert async_["max_staleness"] == 2 and 1 <= async_["staleness_max"] <= 2
     # the long-tail rollouts of later steps overlap: measured ~2x here; a loop that serialised them would be ~1x
