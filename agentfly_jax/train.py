@@ -32,11 +32,13 @@ def main(argv) -> None:
     config = _CONFIG.value
     if config is None:
         raise app.UsageError("--config is required, e.g. --config=experiments/quickstart.py")
+    from agentfly_jax.trainer import distributed
     from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
     try:  # validated once, before the trainer imports JAX models or builds anything
         typed = TrainConfig.build(config)
-    except ConfigError as e:
+        distributed.start(typed)  # jax.distributed before any device work; the same config and code everywhere
+    except (ConfigError, distributed.DistributedError) as e:
         _die(str(e))
     from agentfly_jax.trainer.loop import NonFiniteTrainingError, train  # after validation: keeps --help fast
 

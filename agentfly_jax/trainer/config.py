@@ -294,6 +294,28 @@ class EvalSection:
     before_sft: bool = True  # with an SFT warm start, also evaluate before it (eval_before_sft/* scalars)
 
 
+def _host_port(v: str) -> bool:
+    host, sep, port = v.rpartition(":")
+    return v == "" or (bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Several processes (a TPU pod's hosts, GPU nodes) in one run through jax.distributed, started before anything
+    touches a device (trainer/distributed.py; walk-through: docs/tpu.md). All unset: one process, unless the process
+    runs where jax.distributed.initialize() finds its values itself (a TPU slice of several hosts, a SLURM step or
+    an Open MPI job of several tasks); a value set here wins over the detected one. Plain ssh launches set all
+    three; num_processes=1 forces one process. Every process must start with the same config and code (compared
+    at start); this section may differ between processes (process_id does) and is left out of that comparison."""
+
+    coordinator_address: str = knob("", _host_port, "'' (auto-detect) or 'host:port' of process 0, reachable "
+                                                    "from every process")
+    num_processes: int | None = knob(None, lambda v: v is None or v >= 1, "None (auto-detect) or >= 1")
+    process_id: int | None = knob(None, lambda v: v is None or v >= 0, "None (auto-detect) or >= 0")
+    # seconds to wait for every process: to connect, then to publish its config/code digests
+    initialization_timeout: int = knob(300, *POSITIVE)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     seed: int = knob(0, *NON_NEGATIVE)  # numpy's generators refuse negative seeds
@@ -328,6 +350,7 @@ class TrainConfig:
     mesh: MeshSection = knob(factory=MeshSection)
     checkpoint: CheckpointSection = knob(factory=CheckpointSection)
     eval: EvalSection = knob(factory=EvalSection)
+    distributed: DistributedSection = knob(factory=DistributedSection)
 
     @classmethod
     def build(cls, config: Mapping[str, Any]) -> "TrainConfig":
@@ -428,6 +451,13 @@ class TrainConfig:
             raise ConfigError(f"config.rl.overlong_buffer_len={self.rl.overlong_buffer_len} is longer than the "
                               f"overlong max_len {self.overlong_max_len()} (config.rl.overlong_max_len, default "
                               "agent.max_new_tokens * agent.max_turns): lower it")
+        dist = self.distributed
+        if dist.num_processes is not None and dist.process_id is not None and dist.process_id >= dist.num_processes:
+            raise ConfigError(f"config.distributed.process_id={dist.process_id} with num_processes="
+                              f"{dist.num_processes}: process ids run from 0 to num_processes - 1")
+        if dist.num_processes == 1 and dist.coordinator_address:
+            raise ConfigError("config.distributed.coordinator_address has no effect with num_processes=1 (one "
+                              "process starts no coordinator): unset one of them")
         longest = self.agent.max_context_tokens
         if longest > max(self.seq_buckets):
             raise ConfigError(f"config.agent.max_context_tokens={longest} does not fit the largest of "

@@ -35,7 +35,7 @@ from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
-from agentfly_jax.trainer import builders
+from agentfly_jax.trainer import builders, distributed
 from agentfly_jax.trainer.async_rollouts import RolloutProducer, ThreadedRunner, staleness_filter
 from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_bucket, drop_failed_chains,
                                        no_chains_left_error, pack_step)
@@ -139,6 +139,7 @@ def _optimizer(cfg: OptimizerConfig):
 def setup(config, workdir: str | None = None) -> Run:
     """Validates the config (a ConfigDict, dict or TrainConfig) and builds everything a run holds."""
     cfg = TrainConfig.build(config)  # a TrainConfig instance is checked again too
+    distributed.start(cfg)  # jax.distributed (several processes) before any device work; idempotent
     alg = cfg.resolved_algorithm()
     if cfg.backend == "vllm" and not cfg.vllm.launch:
         builders.probe_vllm_servers(cfg.vllm.urls)
