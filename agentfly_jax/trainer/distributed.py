@@ -9,7 +9,9 @@ again, which is then a no-op):
    MPI job or a SLURM step of several tasks, a Cloud TPU slice of several hosts) and lets JAX fill in every value;
    anywhere else the run is one process and nothing is started. `num_processes=1` forces one process. Set
    explicitly (all three keys), JAX's cluster detection is switched off, so a SLURM task sees every GPU of its
-   node instead of the one JAX would pick for it.
+   node instead of the one JAX would pick for it. A process other than 0 first waits for the coordinator's port
+   to open and says so in one line if it never does (JAX's client would abort the process without a Python
+   exception); a process that waits in vain for the others to connect is still ended by JAX itself.
 2. `check_same_everywhere(cfg)`: every process publishes its `config_digest`, `code_digest` and library versions
    in the key-value store of jax.distributed's coordinator (no device is involved) and reads everyone's. If any
    process differs from process 0, EVERY process raises ProcessMismatchError, one line naming what differs: the
@@ -291,6 +293,8 @@ def initialize(section) -> bool:
     call = ", ".join(f"{k}={v!r}" for k, v in given.items()) or "values auto-detected"
     if given.get("coordinator_address") and given.get("process_id", 0) != 0:
         _wait_for_coordinator(given["coordinator_address"], section.initialization_timeout)
+    log.info("jax.distributed: starting (%s%s); waiting up to %d s for every process to connect", where, call,
+             section.initialization_timeout)
     try:
         jax.distributed.initialize(**kwargs)
     except Exception as e:  # JAX raises ValueError, RuntimeError or its own errors

@@ -347,3 +347,24 @@ def test_worker_script_stop_reaches_the_trainers_children(fakes, tmp_path):
                            capture_output=True, text=True, timeout=30, check=False)
     assert again.returncode == 0 and "not running" in again.stdout
 
+
+
+def test_the_commands_of_docs_tpu_md_run_as_dry_runs(fakes):
+    """Every `bash scripts/...` line of docs/tpu.md's bash blocks runs with --dry-run (after the block's exports):
+    the walk-through cannot name an option the scripts do not take."""
+    d, env = fakes
+    with open(os.path.join(ROOT, "docs", "tpu.md")) as fh:
+        text = fh.read()
+    blocks = [b.split("\n", 1)[1] for b in text.split("```")[1::2] if b.startswith("bash\n")]
+    ran = 0
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line)
+            if words[:1] == ["export"]:
+                env.update(w.split("=", 1) for w in words[1:])
+            elif words[:1] == ["bash"] and words[1].startswith("scripts/"):
+                proc = _run(words[1], *words[2:], env=env, dry=True)
+                assert proc.returncode == 0 and proc.stdout, (line, proc.stderr)
+                assert _calls(d) == [], line
+                ran += 1
+    assert ran >= 10
