@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from agentfly_jax.rewards.decorator import REWARD_ERROR_KINDS
-from agentfly_jax.rollout.templates import ConversationEncoder
+from agentfly_jax.rollout.templates import ConversationEncoder, EncoderCache
 from agentfly_jax.rollout.trajectory import CHAIN_ERROR_FLAG, ToolCallRecord, Trajectory
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.execute import TOOL_ERROR_KINDS, ToolResult, execute_tool_calls, parse_error_result
@@ -202,6 +202,7 @@ class ChainState:
     key: str
     prompt_ids: list[int]
     encoder: ConversationEncoder | None = None
+    encoder_cache: EncoderCache | None = None  # shared by the rollout's chains: their prompts' pieces
     logprobs: list[float] = dataclasses.field(default_factory=list)  # aligned with encoder.token_ids
     # aligned with encoder.token_ids: the weight version that sampled each token, -1 where the policy did not
     token_versions: list[int] = dataclasses.field(default_factory=list)
@@ -240,7 +241,9 @@ async def _chain_turns(
     stats: RolloutStats,
     progress: _Progress,
 ) -> None:
-    encoder = ConversationEncoder(agent.tokenizer, chat_template=agent.chat_template)
+    encoder = ConversationEncoder(
+        agent.tokenizer, chat_template=agent.chat_template, cache=state.encoder_cache
+    )
     encoder.start(agent.build_messages(state.task), tools=agent.template_tools())
     state.encoder = encoder
     state.logprobs = [0.0] * len(encoder.token_ids)
@@ -485,10 +488,10 @@ async def _wait_for_all(tasks: Sequence[asyncio.Task]) -> None:
             continue
 
 
-def _prompt_ids(agent: BaseAgent, task: Mapping[str, Any], index: int) -> list[int]:
+def _prompt_ids(agent: BaseAgent, task: Mapping[str, Any], index: int, cache: EncoderCache) -> list[int]:
     """The task's prompt ids, encoded once up front so a bad row fails before any rollout."""
     try:
-        encoder = ConversationEncoder(agent.tokenizer, chat_template=agent.chat_template)
+        encoder = ConversationEncoder(agent.tokenizer, chat_template=agent.chat_template, cache=cache)
         return encoder.start(agent.build_messages(task), tools=agent.template_tools())
     except Exception as error:
         raise ValueError(f"tasks[{index}]: cannot build its prompt: {type(error).__name__}: {error}") from error
@@ -521,7 +524,8 @@ async def run_rollout(
     validate_tasks(tasks)
     if agent.reward_fn is not None:
         agent.reward_fn.check_tasks(tasks)
-    prompts = [_prompt_ids(agent, task, index) for index, task in enumerate(tasks)]
+    encoder_cache = EncoderCache(agent.tokenizer)
+    prompts = [_prompt_ids(agent, task, index, encoder_cache) for index, task in enumerate(tasks)]
 
     run_id = uuid.uuid4().hex[:8]
     states = [
@@ -532,6 +536,7 @@ async def run_rollout(
             group_id=group_id_of(task, task_index),
             key=f"{run_id}/{task_index}/{chain_index}",
             prompt_ids=prompts[task_index],
+            encoder_cache=encoder_cache,
         )
         for task_index, task in enumerate(tasks)
         for chain_index in range(num_chains)

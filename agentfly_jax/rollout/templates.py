@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,15 +155,19 @@ class _ChunkWriter:
     """Accumulates TextChunks, joining neighbours with the same `generated` flag."""
 
     def __init__(self):
-        self.chunks: list[TextChunk] = []
+        self._runs: list[tuple[bool, list[str]]] = []  # (generated, texts) of each run, joined at the end
 
     def add(self, text: str, generated: bool = False) -> None:
         if not text:
             return
-        if self.chunks and self.chunks[-1].generated == generated:
-            self.chunks[-1] = TextChunk(self.chunks[-1].text + text, generated)
+        if self._runs and self._runs[-1][0] == generated:
+            self._runs[-1][1].append(text)
         else:
-            self.chunks.append(TextChunk(text, generated))
+            self._runs.append((generated, [text]))
+
+    @property
+    def chunks(self) -> list[TextChunk]:
+        return [TextChunk("".join(texts), generated) for generated, texts in self._runs]
 
 
 QWEN2_5_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -517,6 +522,155 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
+def _plain_fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer with the stock `encode`, else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
+        name in vars(tokenizer) for name in ("encode", "_encode_plus")
+    ):
+        return None
+    if cls.encode is not PreTrainedTokenizerBase.encode or (
+        cls._encode_plus is not PreTrainedTokenizerFast._encode_plus
+    ):
+        return None
+    return backend
+
+
+class TokenSplitter:
+    """`tokenizer.encode(text, add_special_tokens=False)`, exactly, with less work for a fast tokenizer.
+
+    A Hugging Face fast tokenizer first cuts text at its added tokens (`<|im_start|>`, `<tool_call>`, ...:
+    the leftmost, then longest, match of their texts) and tokenises each piece between them on its own. When
+    every added token matches its raw text only (not `normalized`, no `lstrip`/`rstrip`/`single_word`, as in
+    the Qwen2.5 and Llama 3 tokenizers) this cut is reproduced here with the same result, which allows:
+
+    - `encode(text, cache)`: pieces already in `cache` (a dict shared by whoever repeats them: a rollout's
+      prompts share their system block and tool list, a task's chains their whole prompt) are not tokenised
+      again;
+    - `last_id(text)`: the last id of a text from its last piece only (none at all when it ends with an
+      added token).
+
+    The rust tokenizer is called directly, as transformers does, without its per-call bookkeeping. Every
+    call checks that nothing that call would change is set: truncation or padding left on the backend by
+    an earlier call, `split_special_tokens`, tokens added since. Otherwise, and for any other tokenizer (slow,
+    custom `encode`, other added-token options), everything goes through `tokenizer.encode`.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._backend = None
+        self._pattern: Any = None
+        self._token_ids: dict[str, int] = {}
+        backend = _plain_fast_backend(tokenizer)
+        if backend is None:
+            return
+        added = list(backend.get_added_tokens_decoder().values())
+        if any(token.normalized or token.lstrip or token.rstrip or token.single_word for token in added):
+            return
+        # Longest first: at the leftmost position a match starts, the regex takes the longest added token.
+        contents = sorted({token.content for token in added if token.content}, key=len, reverse=True)
+        self._token_ids = {content: backend.token_to_id(content) for content in contents}
+        if contents:
+            self._pattern = re.compile("|".join(re.escape(content) for content in contents))
+        self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._backend = backend
+
+    @property
+    def uses_fast_path(self) -> bool:
+        """Whether this tokenizer qualifies for the split (each call still checks the tokenizer's state)."""
+        return self._backend is not None
+
+    def _fast(self) -> bool:
+        backend = self._backend
+        return (
+            backend is not None
+            and backend.truncation is None
+            and backend.padding is None
+            and not backend.encode_special_tokens
+            and not getattr(self.tokenizer, "split_special_tokens", False)
+            and backend.get_vocab_size(with_added_tokens=True) == self._vocab_size
+        )
+
+    def _pieces(self, text: str) -> list[tuple[str, int | None]]:
+        """(text, id) of the added tokens and (text, None) of the pieces between them, in order."""
+        if self._pattern is None:
+            return [(text, None)]
+        pieces, cursor = [], 0
+        for match in self._pattern.finditer(text):
+            if match.start() > cursor:
+                pieces.append((text[cursor : match.start()], None))
+            pieces.append((match.group(), self._token_ids[match.group()]))
+            cursor = match.end()
+        if cursor < len(text):
+            pieces.append((text[cursor:], None))
+        return pieces
+
+    def encode(self, text: str, cache: dict[str, list[int]] | None = None) -> list[int]:
+        """The ids of `text`; with `cache`, pieces between added tokens are looked up there (and stored)."""
+        if not text:
+            return []
+        if not self._fast():
+            return _encode_text(self.tokenizer, text)
+        if cache is None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for piece, token_id in self._pieces(text):
+            if token_id is not None:
+                ids.append(token_id)
+                continue
+            piece_ids = cache.get(piece)
+            if piece_ids is None:
+                piece_ids = cache[piece] = self._backend.encode(piece, add_special_tokens=False).ids
+            ids.extend(piece_ids)
+        return ids
+
+    def last_id(self, text: str) -> int | None:
+        """The last of `text`'s ids (None for no ids)."""
+        if not text:
+            return None
+        if not self._fast():
+            ids = _encode_text(self.tokenizer, text)
+            return ids[-1] if ids else None
+        for piece, token_id in reversed(self._pieces(text)):
+            if token_id is not None:
+                return token_id
+            ids = self._backend.encode(piece, add_special_tokens=False).ids
+            if ids:  # a piece the normalizer empties gives no ids: the last id is further back
+                return ids[-1]
+        return None
+
+
+class EncoderCache:
+    """What the ConversationEncoders of one rollout share: a TokenSplitter, tokenised prompt pieces, end ids.
+
+    Every chain of a task starts from the same prompt and every task from the same system block and tool
+    list; with one cache per rollout those pieces are tokenised once. Made for one rollout (one tokenizer
+    that does not change meanwhile); it keeps every prompt piece it saw.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.splitter = TokenSplitter(tokenizer)
+        self.prompt_pieces: dict[str, list[int]] = {}
+        self._end_ids: dict[str | None, frozenset[int]] = {}
+
+    def end_ids(self, chat_template: str | None) -> frozenset[int]:
+        """Ids that end a turn: the tokenizer's special tokens and `chat_template`'s end-of-turn token."""
+        if chat_template not in self._end_ids:
+            self._end_ids[chat_template] = frozenset(self.tokenizer.all_special_ids) | frozenset(
+                end_of_turn_ids(self.tokenizer, chat_template)
+            )
+        return self._end_ids[chat_template]
+
+
 def encode_chunks(tokenizer: Any, chunks: Sequence[TextChunk]) -> Encoded:
     """Token ids and action mask of rendered chunks; each run of same-flag text is tokenised in one piece."""
     token_ids: list[int] = []
@@ -578,18 +732,29 @@ class ConversationEncoder:
     (the observation and the next generation prompt). `enc.encoded()` gives all ids and the action mask.
 
     Every append renders the whole conversation again and checks that the earlier text is unchanged
-    (`TemplateNotAppendOnlyError` names the first differing token otherwise).
+    (`TemplateNotAppendOnlyError` names the first differing token otherwise); only the new text is
+    tokenised. `cache`: an `EncoderCache` shared by the encoders of one rollout, so that prompt pieces they
+    have in common are tokenised once (each encoder makes its own otherwise).
     """
 
     def __init__(
-        self, tokenizer: Any, *, tools: Sequence[Any] | None = None, chat_template: str | None = None
+        self,
+        tokenizer: Any,
+        *,
+        tools: Sequence[Any] | None = None,
+        chat_template: str | None = None,
+        cache: EncoderCache | None = None,
     ):
+        if cache is not None and cache.tokenizer is not tokenizer:
+            raise ValueError("the EncoderCache was made for another tokenizer: make one per tokenizer")
         self.tokenizer = tokenizer
         self.tools = _tool_schemas(tools)
         self._chat_template = chat_template
         self._render = resolve_template(tokenizer, chat_template, self.tools)
+        self._cache = cache if cache is not None else EncoderCache(tokenizer)
+        self._splitter = self._cache.splitter
         # ids that end a turn: the tokenizer's special tokens and the template's end-of-turn token
-        self._end_ids = set(tokenizer.all_special_ids) | set(end_of_turn_ids(tokenizer, chat_template))
+        self._end_ids = self._cache.end_ids(chat_template)
         self.messages: list[Message] = []
         self.token_ids: list[int] = []
         self.action_mask: list[int] = []
@@ -643,10 +808,13 @@ class ConversationEncoder:
             self.tools = _tool_schemas(tools)
             self._render = resolve_template(self.tokenizer, self._chat_template, self.tools)
         chunks = self._chunks(messages, True)
-        encoded = encode_chunks(self.tokenizer, chunks)
+        # As encode_chunks: each chunk on its own (the pieces of the prompt's chunks repeat across chains).
+        token_ids: list[int] = []
+        for chunk in chunks:
+            token_ids.extend(self._splitter.encode(chunk.text, self._cache.prompt_pieces))
         self.messages = list(messages)
-        self.token_ids = list(encoded.token_ids)
-        self.action_mask = [0] * len(encoded.token_ids)
+        self.token_ids = token_ids
+        self.action_mask = [0] * len(token_ids)
         self._rendered_text = "".join(chunk.text for chunk in chunks)
         self._awaiting_assistant = True
         self._started = True
@@ -680,10 +848,7 @@ class ConversationEncoder:
         through_text, generated_end = self._render_turn(message)
         # The rendered turn's last token is the end-of-turn token; a sample cut off before it gets it here.
         end_of_turn_text = ""
-        rendered_turn_ids = _encode_text(
-            self.tokenizer, through_text[len(self._rendered_text) : generated_end]
-        )
-        rendered_end_id = rendered_turn_ids[-1] if rendered_turn_ids else None
+        rendered_end_id = self._splitter.last_id(through_text[len(self._rendered_text) : generated_end])
         if rendered_end_id in self._end_ids and list(sampled_ids[-1:]) != [
             rendered_end_id
         ]:
@@ -719,7 +884,7 @@ class ConversationEncoder:
         self._check_extends(
             new_full_text, f"adding messages {len(self.messages)}..{len(self.messages) + len(messages) - 1}"
         )
-        new_ids = _encode_text(self.tokenizer, self._pending_text + new_full_text[len(self._rendered_text) :])
+        new_ids = self._splitter.encode(self._pending_text + new_full_text[len(self._rendered_text) :])
         self.token_ids.extend(new_ids)
         self.action_mask.extend([0] * len(new_ids))
         self.messages.extend(messages)
@@ -736,7 +901,7 @@ class ConversationEncoder:
         `encode_conversation(tokenizer, enc.messages, add_generation_prompt=...)` when every sampled turn
         matches its rendering. A conversation that ends with a generation prompt has nothing pending.
         """
-        tail_ids = _encode_text(self.tokenizer, self._pending_text)
+        tail_ids = self._splitter.encode(self._pending_text)
         self.token_ids.extend(tail_ids)
         self.action_mask.extend([0] * len(tail_ids))
         self._pending_text = ""

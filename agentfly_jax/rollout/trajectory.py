@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -64,9 +66,11 @@ class Trajectory:
     policy_version_max: int | None = None  # None: derived (the newest token version)
 
     def __post_init__(self):
-        self.token_ids = [int(token) for token in self.token_ids]
-        self.action_mask = [int(bit) for bit in self.action_mask]
-        self.sampler_logprobs = [float(logprob) for logprob in self.sampler_logprobs]
+        # The checks below run at C speed on valid input (a rollout builds one Trajectory per chain, all at
+        # the end); the position of the first bad entry is searched for only to report it.
+        self.token_ids = list(map(int, self.token_ids))
+        self.action_mask = list(map(int, self.action_mask))
+        self.sampler_logprobs = list(map(float, self.sampler_logprobs))
         self.flags = set(self.flags)
         length = len(self.token_ids)
         if length == 0:
@@ -77,26 +81,27 @@ class Trajectory:
                     f"Trajectory.{name} has {len(getattr(self, name))} entries but token_ids has {length}: "
                     "both must have one entry per token"
                 )
-        if any(token < 0 for token in self.token_ids):
+        if min(self.token_ids) < 0:
             raise ValueError(
                 f"Trajectory.token_ids has a negative id at position {_first(t < 0 for t in self.token_ids)}"
             )
-        bad_bit = _first(bit not in (0, 1) for bit in self.action_mask)
-        if bad_bit is not None:
+        if not set(self.action_mask) <= {0, 1}:
+            bad_bit = _first(bit not in (0, 1) for bit in self.action_mask)
             raise ValueError(
                 f"Trajectory.action_mask must be 0 or 1, "
                 f"got {self.action_mask[bad_bit]} at position {bad_bit}"
             )
-        bad_logprob = _first(not math.isfinite(logprob) for logprob in self.sampler_logprobs)
-        if bad_logprob is not None:
+        if not all(map(math.isfinite, self.sampler_logprobs)):
+            bad_logprob = _first(not math.isfinite(logprob) for logprob in self.sampler_logprobs)
             raise ValueError(
                 f"Trajectory.sampler_logprobs is not finite at position {bad_logprob}: "
                 f"{self.sampler_logprobs[bad_logprob]}"
             )
-        unsampled = _first(
-            bit == 0 and logprob != 0.0 for bit, logprob in zip(self.action_mask, self.sampler_logprobs)
-        )
-        if unsampled is not None:
+        # a non-zero logprob where the mask is 0 (bits are 0/1 here, logprobs finite: non-zero = truthy)
+        if any(compress(self.sampler_logprobs, map(operator.not_, self.action_mask))):
+            unsampled = _first(
+                bit == 0 and logprob != 0.0 for bit, logprob in zip(self.action_mask, self.sampler_logprobs)
+            )
             raise ValueError(
                 f"Trajectory.sampler_logprobs is {self.sampler_logprobs[unsampled]} at position {unsampled} "
                 "where action_mask is 0: only sampled tokens have a sampler logprob; put 0.0 elsewhere"
@@ -135,23 +140,27 @@ class Trajectory:
                     f"Trajectory.token_versions has {len(self.token_versions)} entries but token_ids has "
                     f"{len(self.token_ids)}: both must have one entry per token"
                 )
-            bad = _first(not _is_int(version) for version in self.token_versions)
-            if bad is not None:
-                raise ValueError(
-                    f"Trajectory.token_versions must be ints, got {self.token_versions[bad]!r} at position {bad}"
+            if not set(map(type, self.token_versions)) <= {int}:  # plain ints pass without the per-entry test
+                bad = _first(not _is_int(version) for version in self.token_versions)
+                if bad is not None:
+                    raise ValueError(
+                        f"Trajectory.token_versions must be ints, got {self.token_versions[bad]!r} "
+                        f"at position {bad}"
+                    )
+            self.token_versions = list(map(int, self.token_versions))
+            if min(compress(self.token_versions, self.action_mask), default=0) < 0 or not set(
+                compress(self.token_versions, map(operator.not_, self.action_mask))
+            ) <= {-1}:
+                bad = _first(
+                    (version < 0) if bit else (version != -1)
+                    for bit, version in zip(self.action_mask, self.token_versions)
                 )
-            self.token_versions = [int(version) for version in self.token_versions]
-            bad = _first(
-                (version < 0) if bit else (version != -1)
-                for bit, version in zip(self.action_mask, self.token_versions)
-            )
-            if bad is not None:
                 raise ValueError(
                     f"Trajectory.token_versions is {self.token_versions[bad]} at position {bad} where action_mask "
                     f"is {self.action_mask[bad]}: sampled tokens carry the (non-negative) weight version that "
                     "sampled them, the others -1"
                 )
-        sampled = [version for bit, version in zip(self.action_mask, self.token_versions) if bit]
+        sampled = list(compress(self.token_versions, self.action_mask))
         if not sampled:
             self.policy_version = 0 if self.policy_version is None else self.policy_version
             if self.policy_version_max is None:
