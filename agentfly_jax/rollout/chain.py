@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -265,10 +266,10 @@ async def _chain_turns(
         state.generation_latencies.append(elapsed)
         stats.generation_calls += 1
         stats.generation_time_s += elapsed
-        sampled = [int(token) for token in completion.token_ids]
+        sampled = list(map(int, completion.token_ids))
         if len(sampled) > max_tokens:
             raise RuntimeError(f"the backend returned {len(sampled)} tokens for max_tokens={max_tokens}")
-        if not all(math.isfinite(logprob) for logprob in completion.logprobs):
+        if not all(map(math.isfinite, completion.logprobs)):
             raise RuntimeError("the backend returned a non-finite logprob for a sampled token")
         if completion.finish_reason == "abort":
             raise RuntimeError("the backend aborted the request")
@@ -288,7 +289,7 @@ async def _chain_turns(
                 )
         state.last_text = agent.decode_turn(sampled)
         encoder.append_assistant(sampled, {"role": "assistant", "content": state.last_text})
-        state.logprobs.extend(float(logprob) for logprob in completion.logprobs)
+        state.logprobs.extend(map(float, completion.logprobs))
         state.token_versions.extend(turn_versions)
         state.policy_versions.append(turn_versions[0] if turn_versions else turn_version)
         state.num_turns += 1
@@ -356,7 +357,7 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
     keep = state.keep_tokens if state.keep_tokens is not None else len(token_ids)
     # Staleness counts from the oldest sampled token; a chain that sampled nothing gets its turns' versions
     # (or the version served now).
-    sampled_versions = [v for v, bit in zip(token_versions[:keep], action_mask[:keep]) if bit]
+    sampled_versions = list(itertools.compress(token_versions[:keep], action_mask[:keep]))
     versions = sampled_versions or state.policy_versions or [default_version]
     metrics: dict[str, Any] = {
         "generation_latency_s": sum(state.generation_latencies),

@@ -639,12 +639,18 @@ class TokenSplitter:
         if not self._fast():
             ids = _encode_text(self.tokenizer, text)
             return ids[-1] if ids else None
-        for piece, token_id in reversed(self._pieces(text)):
-            if token_id is not None:
-                return token_id
-            ids = self._backend.encode(piece, add_special_tokens=False).ids
-            if ids:  # a piece the normalizer empties gives no ids: the last id is further back
+        end = len(text)
+        while end:
+            last = None  # the last added token before `end` (the cut runs left to right)
+            for match in self._pattern.finditer(text, 0, end) if self._pattern is not None else ():
+                last = match
+            if last is not None and last.end() == end:
+                return self._token_ids[last.group()]
+            start = last.end() if last is not None else 0
+            ids = self._backend.encode(text[start:end], add_special_tokens=False).ids
+            if ids:
                 return ids[-1]
+            end = start  # the piece gave no ids: the last id is further back (the token before it, if any)
         return None
 
 
@@ -854,7 +860,7 @@ class ConversationEncoder:
         ]:
             end_of_turn_text = self.tokenizer.decode([rendered_end_id], skip_special_tokens=False)
 
-        self.token_ids.extend(int(token) for token in sampled_ids)
+        self.token_ids.extend(map(int, sampled_ids))
         self.action_mask.extend([1] * len(sampled_ids))
         self.messages.append(message)
         self._rendered_text = through_text

@@ -1,9 +1,9 @@
 """TokenSplitter and EncoderCache: the same ids as `tokenizer.encode(text, add_special_tokens=False)`.
 
-The reference is the tokenizer's own `encode`. The Qwen2.5 and Llama 3 (stand-in) tokenizers of conftest.py are
-used read-only; tests that change a tokenizer (added tokens with other options, truncation left on the backend,
-`split_special_tokens`, tokens added later) use a small byte-level BPE trained here, a real Hugging Face fast
-tokenizer.
+The reference is the tokenizer's own `encode`. The Qwen2.5 and Llama 3 (stand-in) tokenizers of conftest.py
+are used read-only; tests that change a tokenizer (added tokens with other options, truncation left on the
+backend, `split_special_tokens`, tokens added later) use a small byte-level BPE trained here, a real Hugging
+Face fast tokenizer.
 """
 
 import random
@@ -17,8 +17,37 @@ from tests.rollout.conversations import CONVERSATIONS, TOOLS
 
 # Pieces that make hard text: combining accents (NFC joins them across what would be piece boundaries),
 # runs of whitespace and newlines, digits, emoji, CJK, and text that looks like added tokens.
-PIECES = ["a", "b", " ", "\n", "\n\n", "\t", "  ", "<", "|", ">", "/", "_", '"', "{", "}", ":", ",", ".", "é",
-          "e\u0301", "\u0301", "中文", "😀", "1234", "Hello", " world", "<tool_response>", "<|", "|>"]
+PIECES = [
+    "a",
+    "b",
+    " ",
+    "\n",
+    "\n\n",
+    "\t",
+    "  ",
+    "<",
+    "|",
+    ">",
+    "/",
+    "_",
+    '"',
+    "{",
+    "}",
+    ":",
+    ",",
+    ".",
+    "é",
+    "e\u0301",
+    "\u0301",
+    "中文",
+    "😀",
+    "1234",
+    "Hello",
+    " world",
+    "<tool_response>",
+    "<|",
+    "|>",
+]
 
 
 def random_texts(tokenizer, count, seed=0):
@@ -71,7 +100,9 @@ def small_tokenizer(added):
     trainer = trainers.BpeTrainer(
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    backend.train_from_iterator(["hello world, the tool said hello", "assistant user system tool"] * 10, trainer)
+    backend.train_from_iterator(
+        ["hello world, the tool said hello", "assistant user system tool"] * 10, trainer
+    )
     backend.add_tokens(list(added))
     return PreTrainedTokenizerFast(tokenizer_object=backend)
 
@@ -81,7 +112,8 @@ def plain(content, special=True):
 
 
 def test_overlapping_added_tokens_are_cut_leftmost_then_longest():
-    # "<a>" and "<a><b>" start at the same place (the longer wins); "b><c" overlaps "<a><b>" (the leftmost wins)
+    # "<a>" and "<a><b>" start at the same place (the longer wins); "b><c" overlaps "<a><b>" (the leftmost
+    # wins)
     tokenizer = small_tokenizer([plain("<a>"), plain("<a><b>"), plain("b><c", special=False), plain("<c>")])
     splitter = TokenSplitter(tokenizer)
     assert splitter.uses_fast_path
@@ -91,13 +123,17 @@ def test_overlapping_added_tokens_are_cut_leftmost_then_longest():
 
 
 @pytest.mark.parametrize(
-    "option", [dict(lstrip=True), dict(rstrip=True), dict(single_word=True), dict(normalized=True)]
+    "option", [{"lstrip": True}, {"rstrip": True}, {"single_word": True}, {"normalized": True}]
 )
 def test_other_added_token_options_go_through_encode(option):
-    tokenizer = small_tokenizer([plain("<a>"), AddedToken("<m>", special=True, **{"normalized": False, **option})])
+    tokenizer = small_tokenizer(
+        [plain("<a>"), AddedToken("<m>", special=True, **{"normalized": False, **option})]
+    )
     splitter = TokenSplitter(tokenizer)
     assert not splitter.uses_fast_path
-    assert_like_encode(splitter, tokenizer, ["x <m> y", "hello<m>", "<m>\n<a> <m>"] + random_texts(tokenizer, 50))
+    assert_like_encode(
+        splitter, tokenizer, ["x <m> y", "hello<m>", "<m>\n<a> <m>"] + random_texts(tokenizer, 50)
+    )
 
 
 def test_state_left_on_the_tokenizer_is_respected():
@@ -113,13 +149,29 @@ def test_state_left_on_the_tokenizer_is_respected():
     # split_special_tokens: special tokens are tokenised as text
     tokenizer.split_special_tokens = True
     split = tokenizer.encode(text, add_special_tokens=False)
-    assert split != expected and splitter.encode(text, {}) == split and splitter.last_id("x<a>") == split_last(
-        tokenizer, "x<a>"
+    assert (
+        split != expected
+        and splitter.encode(text, {}) == split
+        and splitter.last_id("x<a>") == split_last(tokenizer, "x<a>")
     )
     tokenizer.split_special_tokens = False
     # a token added after the splitter was made
     tokenizer.add_tokens([plain("tool said", special=False)])
     assert splitter.encode(text, {}) == tokenizer.encode(text, add_special_tokens=False) != expected
+
+
+def test_last_id_looks_past_pieces_that_give_no_ids():
+    tokenizer = small_tokenizer([plain("<a>"), plain("<b>")])
+    tokenizer.backend_tokenizer.normalizer = normalizers.Strip()  # a piece of spaces normalises to nothing
+    splitter = TokenSplitter(tokenizer)
+    assert splitter.uses_fast_path
+    for text in ["hello<a>  ", "hello  <b>   ", "<a> ", "   ", "hello <a> world  <b>  "] + random_texts(
+        tokenizer, 300
+    ):
+        expected = tokenizer.encode(text, add_special_tokens=False)
+        assert splitter.last_id(text) == (expected[-1] if expected else None), text
+    assert splitter.last_id("hello<a>  ") == tokenizer.convert_tokens_to_ids("<a>")
+    assert splitter.last_id("   ") is None
 
 
 def split_last(tokenizer, text):
