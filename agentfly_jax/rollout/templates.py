@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 Message = dict[str, Any]
@@ -200,6 +200,88 @@ def _qwen2_5_tool_call_block(tool_call: Any, message_index: int) -> str:
     )
 
 
+# A named template is written as parts: (index, text, generated) with index -1 for text before the first
+# message's, i for message i's text and len(messages) for the generation prompt. A message's text depends on
+# it and its neighbours' roles only, so a longer conversation changes at most the last message's text: the
+# ConversationEncoder renders named templates from the last message it has on (`first`), not from the start.
+Part = tuple[int, str, bool]
+
+
+def _collect(parts: Iterable[Part]) -> tuple[list[TextChunk], dict[int, int]]:
+    """The TextChunks of `parts` and where each index's text starts in their joined text."""
+    out = _ChunkWriter()
+    starts: dict[int, int] = {}
+    offset = 0
+    for index, text, generated in parts:
+        starts.setdefault(index, offset)
+        out.add(text, generated)
+        offset += len(text)
+    return out.chunks, starts
+
+
+def _qwen2_5_parts(
+    messages: Sequence[Message],
+    tools: Sequence[dict] | None,
+    add_generation_prompt: bool,
+    tokenizer: Any = None,
+    first: int = 0,
+) -> Iterator[Part]:
+    if not messages:
+        raise ValueError("cannot render an empty conversation: give at least one message")
+    roles = [_role_of(message, index) for index, message in enumerate(messages)]
+
+    def text_of(message: Message) -> str:
+        return _text_of_content(message.get("content"), "qwen2.5", QWEN_VISION_PLACEHOLDERS)
+
+    if first == 0:
+        system_text = text_of(messages[0]) if roles[0] == "system" else QWEN2_5_DEFAULT_SYSTEM
+        if tools:
+            tool_lines = "".join("\n" + _tojson(tool) for tool in tools)
+            yield (
+                -1,
+                "<|im_start|>system\n" + system_text + _QWEN2_5_TOOLS_PREAMBLE + tool_lines
+                + _QWEN2_5_TOOLS_EPILOGUE,
+                False,
+            )
+        else:
+            yield -1, "<|im_start|>system\n" + system_text + "<|im_end|>\n", False
+
+    for index in range(first, len(messages)):
+        role, message = roles[index], messages[index]
+        yield index, "", False  # marks where this message's text starts, even when it has none
+        if role == "system" and index == 0:
+            continue
+        if role in ("user", "system"):
+            yield index, f"<|im_start|>{role}\n" + text_of(message) + "<|im_end|>\n", False
+        elif role == "assistant":
+            if _has_media(message.get("content")):
+                raise ValueError(f"message {index}: assistant messages cannot contain image or video parts")
+            content = text_of(message)
+            tool_calls = message.get("tool_calls") or []
+            blocks = [_qwen2_5_tool_call_block(call, index) for call in tool_calls]
+            if blocks:
+                written = (content + "\n" if content else "") + "\n".join(blocks)
+            else:
+                written = content
+            yield index, "<|im_start|>assistant\n", False
+            yield index, written + "<|im_end|>", True
+            yield index, "\n", False
+        elif role == "tool":
+            # Consecutive tool results share one user turn.
+            if index == 0 or roles[index - 1] != "tool":
+                yield index, "<|im_start|>user", False
+            yield index, "\n<tool_response>\n" + text_of(message) + "\n</tool_response>", False
+            if index == len(messages) - 1 or roles[index + 1] != "tool":
+                yield index, "<|im_end|>\n", False
+        else:
+            raise ValueError(
+                f"message {index} has role {role!r}; "
+                "the qwen2.5 template knows system, user, assistant and tool"
+            )
+    if add_generation_prompt:
+        yield len(messages), "<|im_start|>assistant\n", False
+
+
 def render_qwen2_5(
     messages: Sequence[Message],
     tools: Sequence[dict] | None,
@@ -211,63 +293,39 @@ def render_qwen2_5(
     Content may be a list of parts; image/video parts become Qwen2.5-VL placeholders
     (`<|vision_start|><|image_pad|><|vision_end|>`), which the vision processor later expands.
     """
-    if not messages:
-        raise ValueError("cannot render an empty conversation: give at least one message")
-    roles = [_role_of(message, index) for index, message in enumerate(messages)]
-    out = _ChunkWriter()
-
-    def text_of(message: Message) -> str:
-        return _text_of_content(message.get("content"), "qwen2.5", QWEN_VISION_PLACEHOLDERS)
-
-    system_text = text_of(messages[0]) if roles[0] == "system" else QWEN2_5_DEFAULT_SYSTEM
-    if tools:
-        tool_lines = "".join("\n" + _tojson(tool) for tool in tools)
-        out.add(
-            "<|im_start|>system\n"
-            + system_text
-            + _QWEN2_5_TOOLS_PREAMBLE
-            + tool_lines
-            + _QWEN2_5_TOOLS_EPILOGUE
-        )
-    else:
-        out.add("<|im_start|>system\n" + system_text + "<|im_end|>\n")
-
-    for index, (role, message) in enumerate(zip(roles, messages)):
-        if role == "system" and index == 0:
-            continue
-        if role in ("user", "system"):
-            out.add(f"<|im_start|>{role}\n" + text_of(message) + "<|im_end|>\n")
-        elif role == "assistant":
-            if _has_media(message.get("content")):
-                raise ValueError(f"message {index}: assistant messages cannot contain image or video parts")
-            content = text_of(message)
-            tool_calls = message.get("tool_calls") or []
-            blocks = [_qwen2_5_tool_call_block(call, index) for call in tool_calls]
-            if blocks:
-                written = (content + "\n" if content else "") + "\n".join(blocks)
-            else:
-                written = content
-            out.add("<|im_start|>assistant\n")
-            out.add(written + "<|im_end|>", generated=True)
-            out.add("\n")
-        elif role == "tool":
-            # Consecutive tool results share one user turn.
-            if index == 0 or roles[index - 1] != "tool":
-                out.add("<|im_start|>user")
-            out.add("\n<tool_response>\n" + text_of(message) + "\n</tool_response>")
-            if index == len(messages) - 1 or roles[index + 1] != "tool":
-                out.add("<|im_end|>\n")
-        else:
-            raise ValueError(
-                f"message {index} has role {role!r}; "
-                "the qwen2.5 template knows system, user, assistant and tool"
-            )
-    if add_generation_prompt:
-        out.add("<|im_start|>assistant\n")
-    return out.chunks
+    return _collect(_qwen2_5_parts(messages, tools, add_generation_prompt, tokenizer))[0]
 
 
 LLAMA3_HEADER = "<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+
+def _llama3_parts(
+    messages: Sequence[Message],
+    tools: Sequence[dict] | None,
+    add_generation_prompt: bool,
+    tokenizer: Any = None,
+    first: int = 0,
+) -> Iterator[Part]:
+    if not messages:
+        raise ValueError("cannot render an empty conversation: give at least one message")
+    bos_token = getattr(tokenizer, "bos_token", None)
+    if not bos_token:
+        raise ValueError(
+            "the llama3 template starts with the tokenizer's bos_token, but the tokenizer has none"
+        )
+    for index in range(first, len(messages)):
+        message = messages[index]
+        role = _role_of(message, index)
+        yield index, "", False
+        content = message.get("content")
+        text = "None" if content is None else _text_of_content(content, "llama3", None)
+        header = LLAMA3_HEADER.format(role=role)
+        if index == 0:
+            header = bos_token + header
+        yield index, header, False
+        yield index, text.strip() + "<|eot_id|>", role == "assistant"
+    if add_generation_prompt:
+        yield len(messages), LLAMA3_HEADER.format(role="assistant"), False
 
 
 def render_llama3(
@@ -283,26 +341,14 @@ def render_llama3(
     stripped of surrounding whitespace and a None content prints as "None", both as the template does.
     The tokenizer's `bos_token` starts the conversation.
     """
-    if not messages:
-        raise ValueError("cannot render an empty conversation: give at least one message")
-    bos_token = getattr(tokenizer, "bos_token", None)
-    if not bos_token:
-        raise ValueError(
-            "the llama3 template starts with the tokenizer's bos_token, but the tokenizer has none"
-        )
-    out = _ChunkWriter()
-    for index, message in enumerate(messages):
-        role = _role_of(message, index)
-        content = message.get("content")
-        text = "None" if content is None else _text_of_content(content, "llama3", None)
-        header = LLAMA3_HEADER.format(role=role)
-        if index == 0:
-            header = bos_token + header
-        out.add(header)
-        out.add(text.strip() + "<|eot_id|>", generated=role == "assistant")
-    if add_generation_prompt:
-        out.add(LLAMA3_HEADER.format(role="assistant"))
-    return out.chunks
+    return _collect(_llama3_parts(messages, tools, add_generation_prompt, tokenizer))[0]
+
+
+#: The parts of each named renderer, for rendering from a given message on.
+_NAMED_PARTS: dict[Callable[..., list[TextChunk]], Callable[..., Iterator[Part]]] = {
+    render_qwen2_5: _qwen2_5_parts,
+    render_llama3: _llama3_parts,
+}
 
 
 NAMED_TEMPLATES: dict[str, Callable[..., list[TextChunk]]] = {
@@ -737,10 +783,13 @@ class ConversationEncoder:
     `enc.append_assistant(sampled_ids, message)` and `new_ids = enc.append_messages(tool_or_user_messages)`
     (the observation and the next generation prompt). `enc.encoded()` gives all ids and the action mask.
 
-    Every append renders the whole conversation again and checks that the earlier text is unchanged
+    Every append renders the conversation again and checks that the earlier text is unchanged
     (`TemplateNotAppendOnlyError` names the first differing token otherwise); only the new text is
-    tokenised. `cache`: an `EncoderCache` shared by the encoders of one rollout, so that prompt pieces they
-    have in common are tokenised once (each encoder makes its own otherwise).
+    tokenised. A Jinja template renders the whole conversation each time; a named template renders from the
+    last message appended before on (the only earlier message whose text a longer conversation can change),
+    so messages already appended are not read again. `cache`: an `EncoderCache` shared by the encoders of one
+    rollout, so that prompt pieces they have in common are tokenised once (each encoder makes its own
+    otherwise).
     """
 
     def __init__(
@@ -757,6 +806,7 @@ class ConversationEncoder:
         self.tools = _tool_schemas(tools)
         self._chat_template = chat_template
         self._render = resolve_template(tokenizer, chat_template, self.tools)
+        self._parts = _NAMED_PARTS.get(self._render)  # None for a Jinja template
         self._cache = cache if cache is not None else EncoderCache(tokenizer)
         self._splitter = self._cache.splitter
         # ids that end a turn: the tokenizer's special tokens and the template's end-of-turn token
@@ -765,36 +815,49 @@ class ConversationEncoder:
         self.token_ids: list[int] = []
         self.action_mask: list[int] = []
         self._rendered_text = ""  # the template's text for self.messages (ids may hold sampled forms of it)
+        self._starts: list[int] = []  # named templates: where each message's text starts in _rendered_text
         self._pending_text = ""  # template text after the last assistant turn, not yet tokenised
         self._awaiting_assistant = False
         self._started = False
 
-    def _chunks(self, messages: Sequence[Message], add_generation_prompt: bool) -> list[TextChunk]:
-        return self._render(messages, self.tools, add_generation_prompt, self.tokenizer)
+    def _render_named(
+        self, messages: Sequence[Message], add_generation_prompt: bool
+    ) -> tuple[str, list[TextChunk], int, list[int]]:
+        """A named template's text for `messages` (self.messages and what follows), rendered from the last of
+        self.messages on (from the start before start()); with the chunks of that rendered part, where it
+        starts and where each message's text starts."""
+        first = max(len(self.messages) - 1, 0)
+        prefix_length = self._starts[first] if first else 0  # from message 0 on, the text before it too
+        parts = self._parts(messages, self.tools, add_generation_prompt, self.tokenizer, first)
+        chunks, starts = _collect(parts)
+        text = self._rendered_text[:prefix_length] + "".join(chunk.text for chunk in chunks)
+        message_starts = self._starts[:first] + [prefix_length + starts[i] for i in range(first, len(messages))]
+        return text, chunks, prefix_length, message_starts
 
-    def _text(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def _text(self, messages: Sequence[Message], add_generation_prompt: bool) -> tuple[str, list[int]]:
         # The Jinja path renders text directly: marking every earlier assistant turn is not needed here.
-        if isinstance(self._render, JinjaRenderer):
-            return self._render.render_text(messages, self.tools, add_generation_prompt)
-        return "".join(chunk.text for chunk in self._chunks(messages, add_generation_prompt))
+        if self._parts is None:
+            return self._render.render_text(messages, self.tools, add_generation_prompt), []
+        text, _, _, message_starts = self._render_named(messages, add_generation_prompt)
+        return text, message_starts
 
-    def _render_turn(self, message: Message) -> tuple[str, int]:
-        """Text of the conversation through assistant `message`, and where that turn's generated text ends."""
+    def _render_turn(self, message: Message) -> tuple[str, int, list[int]]:
+        """Text of the conversation through assistant `message`, where that turn's generated text ends, and
+        (named templates) where each message's text starts."""
         turn_start = len(self._rendered_text)
-        if isinstance(self._render, JinjaRenderer):
+        if self._parts is None:
             through_text = self._render.render_text(self.messages + [message], self.tools, False)
             self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
             return through_text, turn_start + _generated_length(self.tokenizer, through_text[turn_start:],
-                                                                self._render.end_tokens)
-        chunks = self._chunks(self.messages + [message], False)
-        through_text = "".join(chunk.text for chunk in chunks)
+                                                                self._render.end_tokens), []
+        through_text, chunks, offset, message_starts = self._render_named(self.messages + [message], False)
         self._check_extends(through_text, f"adding assistant message {len(self.messages)}")
-        generated_end, offset = turn_start, 0
+        generated_end = turn_start
         for chunk in chunks:
             offset += len(chunk.text)
             if chunk.generated and offset > turn_start:
                 generated_end = offset
-        return through_text, generated_end
+        return through_text, generated_end, message_starts
 
     def _check_extends(self, new_text: str, what: str) -> None:
         if not new_text.startswith(self._rendered_text):
@@ -813,7 +876,11 @@ class ConversationEncoder:
         if tools is not None:
             self.tools = _tool_schemas(tools)
             self._render = resolve_template(self.tokenizer, self._chat_template, self.tools)
-        chunks = self._chunks(messages, True)
+            self._parts = _NAMED_PARTS.get(self._render)
+        if self._parts is None:
+            chunks, message_starts = self._render(messages, self.tools, True, self.tokenizer), []
+        else:
+            _, chunks, _, message_starts = self._render_named(messages, True)
         # As encode_chunks: each chunk on its own (the pieces of the prompt's chunks repeat across chains).
         token_ids: list[int] = []
         for chunk in chunks:
@@ -822,6 +889,7 @@ class ConversationEncoder:
         self.token_ids = token_ids
         self.action_mask = [0] * len(token_ids)
         self._rendered_text = "".join(chunk.text for chunk in chunks)
+        self._starts = message_starts
         self._awaiting_assistant = True
         self._started = True
         return list(self.token_ids)
@@ -851,7 +919,7 @@ class ConversationEncoder:
             raise ValueError(
                 f"append_assistant() takes an assistant message, got role {message.get('role')!r}"
             )
-        through_text, generated_end = self._render_turn(message)
+        through_text, generated_end, message_starts = self._render_turn(message)
         # The rendered turn's last token is the end-of-turn token; a sample cut off before it gets it here.
         end_of_turn_text = ""
         rendered_end_id = self._splitter.last_id(through_text[len(self._rendered_text) : generated_end])
@@ -864,6 +932,7 @@ class ConversationEncoder:
         self.action_mask.extend([1] * len(sampled_ids))
         self.messages.append(message)
         self._rendered_text = through_text
+        self._starts = message_starts
         self._pending_text = end_of_turn_text + through_text[generated_end:]
         self._awaiting_assistant = False
 
@@ -886,7 +955,7 @@ class ConversationEncoder:
                 raise ValueError(
                     "append_messages() takes tool/user messages; append sampled turns with append_assistant()"
                 )
-        new_full_text = self._text(self.messages + list(messages), add_generation_prompt)
+        new_full_text, message_starts = self._text(self.messages + list(messages), add_generation_prompt)
         self._check_extends(
             new_full_text, f"adding messages {len(self.messages)}..{len(self.messages) + len(messages) - 1}"
         )
@@ -895,6 +964,7 @@ class ConversationEncoder:
         self.action_mask.extend([0] * len(new_ids))
         self.messages.extend(messages)
         self._rendered_text = new_full_text
+        self._starts = message_starts
         self._pending_text = ""
         self._awaiting_assistant = add_generation_prompt
         return new_ids

@@ -14,8 +14,10 @@ from agentfly_jax.rollout.templates import (
     ConversationEncoder,
     TemplateNotAppendOnlyError,
     encode_conversation,
+    render_qwen2_5,
 )
 from tests.rollout.conversations import CONVERSATIONS, TOOLS
+from tests.rollout.fakes import tool_call_text
 
 FAMILIES = {
     # family: (tokenizer fixture holding the reference Jinja template, named template, end-of-turn token)
@@ -400,6 +402,34 @@ def test_non_append_only_template_is_rejected_naming_the_first_differing_token(q
             prompt + [{"role": "assistant", "content": "Hello"}],
             chat_template=COUNTING_TEMPLATE,
         )
+
+
+def test_a_named_template_rerenders_the_last_message_it_had(qwen_tokenizer):
+    """Qwen2.5 closes a run of tool results after the last one: a tool result appended on its own after
+    another changes the earlier text (the "<|im_end|>" that closed the run), which the encoder must see
+    although it renders a named template from the last message it had on."""
+    user = {"role": "user", "content": "Look it up."}
+    call = {"role": "assistant", "content": tool_call_text("search", {"query": "x"})}
+    first, second = ({"role": "tool", "content": text} for text in ("one", "two"))
+    encoder = ConversationEncoder(qwen_tokenizer, chat_template="qwen2.5")
+    encoder.start([user])
+    encoder.append_assistant(qwen_tokenizer.encode(call["content"] + "<|im_end|>", add_special_tokens=False), call)
+    encoder.append_messages([first], add_generation_prompt=False)
+    before = "".join(chunk.text for chunk in render_qwen2_5([user, call, first], None, False))
+    with pytest.raises(TemplateNotAppendOnlyError, match="adding messages 3..3") as caught:
+        encoder.append_messages([second])
+    # the first difference is where "<|im_end|>" closed the first result
+    assert caught.value.char_position == before.rindex("<|im_end|>")
+    assert encoder.messages == [user, call, first]  # nothing was appended
+
+    # the same messages in one append render as one user turn, like the one-shot encoding
+    encoder = ConversationEncoder(qwen_tokenizer, chat_template="qwen2.5")
+    encoder.start([user])
+    encoder.append_assistant(qwen_tokenizer.encode(call["content"] + "<|im_end|>", add_special_tokens=False), call)
+    encoder.append_messages([first, second])
+    expected = encode_conversation(qwen_tokenizer, [user, call, first, second], chat_template="qwen2.5",
+                                   add_generation_prompt=True)
+    assert encoder.token_ids == expected.token_ids and encoder.action_mask == expected.action_mask
 
 
 def test_errors_name_what_is_wrong(qwen_tokenizer, llama3_tokenizer):
