@@ -24,6 +24,11 @@ continues the generation prompt produces it. This equals tokenising the whole re
 a BPE merge would cross the start of an assistant turn (e.g. assistant content that starts with a line
 break right after Qwen's "assistant\\n" header): such a one-shot tokenisation is not something the model
 could have sampled, and token-in/token-out training needs the sampled form.
+
+Rollouts (`ConversationEncoder`) do as little as each turn needs: sampled ids are kept, named templates are
+rendered from the last message already appended on, and only new text is tokenised. `TokenSplitter` gives
+the ids of `tokenizer.encode` while cutting text at added tokens the way a fast tokenizer does, so that an
+`EncoderCache` shared by a rollout's chains tokenises their common prompt pieces once.
 """
 
 from __future__ import annotations
