@@ -188,3 +188,28 @@ def test_a_waiting_update_never_hangs(tiny_model, tiny_params_b, how):
         assert "decode loop failed while update_weights waited" in str(update_error)
         assert "device on fire" in str(update_error) and sampler.weight_version == 0
         assert isinstance(running_result, RuntimeError) and "device on fire" in str(running_result)
+
+
+def test_weights_replicated_on_a_mesh_are_copied_so_the_trainer_may_donate_them(tiny_model):
+    """The trainer's params replicated over a mesh that includes the sampler's device, served, then donated by the
+    trainer's next update (asynchronous training decodes meanwhile): the sampler's copy must not be the donated
+    buffer."""
+    model, params = tiny_model
+    devices = jax.devices()
+    assert len(devices) >= 2  # tests run with 8 CPU devices (tests/conftest.py)
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    sampler = JaxSampler(model, params, max_slots=2, device=devices[0], **SAMPLER_OPTIONS)
+
+    async def main():
+        await sampler.update_weights(replicated, version=1)
+        jax.block_until_ready(jax.jit(lambda p: jax.tree.map(lambda x: x + 1, p), donate_argnums=0)(replicated))
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(replicated))  # the trainer's buffers are gone
+        [completion] = await sampler.generate(PROMPT, max_tokens=4, temperature=0.0)
+        return completion
+
+    try:
+        completion = asyncio.run(main())
+    finally:
+        asyncio.run(sampler.close())
+    assert len(completion.token_ids) == 4 and completion.token_versions == [1, 1, 1, 1]

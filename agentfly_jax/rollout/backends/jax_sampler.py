@@ -404,8 +404,13 @@ class JaxSampler(GenerationBackend):
                     raise ValueError(f"update_weights: param {jax.tree_util.keystr(path)} has shape "
                                      f"{tuple(new.shape)}, the sampler's has {tuple(ref.shape)}")
             params = jax.tree.map(lambda new, ref: jnp.asarray(new, dtype=ref.dtype), params, reference)
-        # Always a copy: the trainer donates its param buffers to the next update step.
-        return jax.device_put(params, self.device, may_alias=False)
+        # Always a copy: the trainer donates its param buffers to the next update step. `device_put` copies a
+        # single-device array, but hands over the existing shard of an array already replicated on several devices
+        # including this one (may_alias or not): those leaves are copied explicitly, else the trainer's next update
+        # would delete the sampler's weights while it decodes (asynchronous training).
+        placed = jax.device_put(params, self.device, may_alias=False)
+        return jax.tree.map(lambda src, out: out.copy() if isinstance(src, jax.Array) and len(src.devices()) > 1
+                            else out, params, placed)
 
     # ---------------------------------------------------------------------------------------- the decode loop
     def _ensure_running(self):
