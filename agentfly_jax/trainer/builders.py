@@ -232,6 +232,9 @@ def trainer_devices(cfg: TrainConfig) -> list:
     devices = jax.devices()
     if not cfg.jax_sampler.separate_device:
         return devices
+    if jax.process_count() > 1:
+        raise ValueError("config.jax_sampler.separate_device=True runs in one process only (the sampler takes the "
+                         f"last device); this run has {jax.process_count()} processes: unset it")
     if len(devices) < 2:
         raise ValueError(f"config.jax_sampler.separate_device=True needs at least 2 devices; this process has "
                          f"{len(devices)} ({devices[0].platform}): unset it")

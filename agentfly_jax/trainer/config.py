@@ -143,7 +143,7 @@ class JaxSamplerSection:
     steps_per_call: int = knob(8, *POSITIVE)
     prefill_tokens: int = knob(8192, *POSITIVE)
     min_bucket: int = knob(16, *POSITIVE)
-    # the sampler on the last local device and the training mesh on the others (>= 2 devices): generation and
+    # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False
 

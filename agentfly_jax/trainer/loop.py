@@ -180,9 +180,9 @@ def setup(config, workdir: str | None = None) -> Run:
     # --- Generation backend, environment pools & agent ----------------------------------------------
     # asynchronous training (rl.max_staleness > 0): the event loop runs in its own thread so that chains go on
     # while the trainer updates (trainer/async_rollouts.py)
-    runner = ThreadedRunner() if cfg.rl.max_staleness else asyncio.Runner()
     serving_model, serve_params = builders.serving_view(policy)
     backend = builders.build_backend(cfg, serving_model, serve_params(state.policy.params), workdir)
+    runner = ThreadedRunner() if cfg.rl.max_staleness else asyncio.Runner()  # after the backend: nothing to leak
     env_manager = None
     try:
         env_manager = builders.build_env_manager(task_setup)
@@ -409,6 +409,7 @@ class AsyncSteps:
     def __init__(self, run: Run, start_step: int):
         self.run, self.max_staleness = run, run.config.rl.max_staleness
         self.trained_version = start_step  # updates finished: the state a failure must not lose
+        self.updating = False  # between an update's first and last mini-batch the state is neither step
         self._since = time.perf_counter()
         self._interrupted = self._interrupted_so_far()
         self.producer = RolloutProducer(lambda step: rollout(run, step), start_step, run.config.rl.steps,
@@ -434,8 +435,11 @@ class AsyncSteps:
         self._since = now
         return kept, sampled, sampling_metrics, batch.ended - batch.started, metrics
 
+    def begin_update(self) -> None:
+        self.updating = True
+
     def updated(self, version: int) -> None:
-        self.trained_version = version
+        self.trained_version, self.updating = version, False
 
     def synced(self, version: int, sync_s: float) -> dict:
         """Starts the rollouts the new version allows; the weight sync's scalars."""
@@ -452,9 +456,16 @@ class AsyncSteps:
         self.producer.close()
 
     def save_after_failure(self, eval_before: dict) -> None:
-        """A rollout or a weight sync failed: the trainer state of the last finished update is checkpointed (if
-        it is not already) so that `config.resume` continues from it."""
+        """The run failed (a rollout, a weight sync, an evaluation, ...): the trainer state of the last finished
+        update is checkpointed (if it is not already) so that `config.resume` continues from it. Not when the
+        failure came between an update's mini-batches (that state is neither step), nor with several processes
+        (the save is collective and the others may not be failing)."""
         step = self.trained_version
+        if self.updating or jax.process_count() > 1:
+            log.error("asynchronous training stopped on an error %s; the trainer state is not saved, the last "
+                      "checkpoint in %s is the one to resume from", "during an update" if self.updating else
+                      "in a run of several processes", self.run.checkpointer.directory)
+            return
         try:
             _save(self.run, step, eval_before, force=True)
             log.error("asynchronous training stopped on an error; the trainer state after %d updates is in %s "
@@ -619,6 +630,8 @@ def train(config, workdir: str | None = None) -> dict:
 
             t0 = time.perf_counter()
             batch, batch_metrics = make_batch(run, trajectories, step)
+            if producer is not None:
+                producer.begin_update()
             update_metrics = update(run, batch, step)
             update_metrics = {k: float(v) for k, v in jax.device_get({**batch_metrics, **update_metrics}).items()}
             t_update = time.perf_counter() - t0

@@ -1,7 +1,8 @@
 """Asynchronous off-policy training (rl.max_staleness, rl.partial_rollouts): the staleness-bounded rollout
 producer, the threaded event loop, the trainer loop's asynchronous path on a long-tail workload (the short version
 of scripts/bench_async.py, with the tests' scripted FAKE backend and the real update step), and faults: a rollout
-whose backend is lost and a weight sync that fails stop the run with the trainer state saved, without hanging."""
+whose backend is lost, a weight sync that fails and an update that fails midway stop the run with the last
+finished trainer state saved, without hanging."""
 from __future__ import annotations
 
 import asyncio
@@ -215,8 +216,8 @@ class LostServerBackend(FakeScriptedBackend):
         await super().update_weights(params, version, interrupt=interrupt)
 
 
-@pytest.mark.parametrize("fault", ["rollout", "weight_sync"])
-def test_a_lost_server_stops_the_run_with_the_trainer_state_saved(tmp_path, fault):
+@pytest.mark.parametrize("fault", ["rollout", "weight_sync", "update"])
+def test_a_failure_stops_the_run_with_the_last_finished_state_saved(tmp_path, fault, monkeypatch):
     def make_backend(tokenizer):
         script = bench_async.long_tail_script(2, 2)
         if fault == "rollout":  # the first two steps' chains (3 turns at most each) get through, then none
@@ -225,23 +226,39 @@ def test_a_lost_server_stops_the_run_with_the_trainer_state_saved(tmp_path, faul
         return LostServerBackend(tokenizer, script, latency_s=0.02, report_weight_version=True,
                                  healthy_calls=10**9, fail_sync_at=2)
 
+    if fault == "update":  # the second update fails after its first mini-batch changed the state
+        real_update, calls = loop.update, []
+
+        def failing_update(run, batch, step):
+            calls.append(step)
+            if step == 1:
+                real_update(run, batch, step)  # the state moves on (run.state) ...
+                raise RuntimeError("the update failed between its mini-batches")  # ... and the step never ends
+            return real_update(run, batch, step)
+
+        monkeypatch.setattr(loop, "update", failing_update)
     cfg = bench_async.config(_args(steps=6), 1, str(tmp_path))
     t0 = time.perf_counter()
     with bench_async.scripted_training(make_backend), pytest.raises((RuntimeError, ConnectionError)) as caught:
         loop.train(cfg)
     assert time.perf_counter() - t0 < 120
-    assert "lost" in str(caught.value) or "died" in str(caught.value) or "chain" in str(caught.value)
+    assert any(word in str(caught.value) for word in ("lost", "died", "chain", "mini-batches"))
     checkpoints = Checkpointer(os.path.join(str(tmp_path), "checkpoints"), every=0)
     try:
         steps = checkpoints.manager.all_steps()
     finally:
         checkpoints.close()
+    with open(tmp_path / "tensorboard" / "metrics.jsonl") as fh:
+        logged = sum("reward/mean" in line for line in fh)  # steps that finished (update, sync, scalars)
     # the trainer state of the last finished update is on disk: step 2 when the sync to version 2 failed (its update
-    # was done), and at least step 1 when the rollouts failed (steps 0 and 1 had chains)
+    # was done), the steps that finished when the rollouts failed; a failure inside an update saves nothing (that
+    # state is neither step): the last checkpoint is the one before it
     if fault == "weight_sync":
-        assert max(steps) == 2
+        assert max(steps) == 2 and logged == 1
+    elif fault == "rollout":
+        assert logged >= 1 and max(steps) == logged
     else:
-        assert max(steps) >= 1
+        assert logged == 1 and max(steps) == 0
 
 
 def test_separate_sampler_device_keeps_generation_off_the_training_mesh(tmp_path):
