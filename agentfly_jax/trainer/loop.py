@@ -643,7 +643,7 @@ def train(config, workdir: str | None = None) -> dict:
             t_sync = sync_weights(run, step + 1)
             if producer is not None:
                 async_metrics.update(producer.synced(step + 1, t_sync))
-            metrics = {**rollout_metrics(run, sampled), **sampling_metrics, **update_metrics, **async_metrics,
+            metrics = {**sampling_metrics, **rollout_metrics(run, sampled), **update_metrics, **async_metrics,
                        "update/tokens": tokens * cfg.rl.ppo_epochs,
                        "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": t_sync,
                        "throughput/update_tokens_per_s": tokens * cfg.rl.ppo_epochs / max(t_update, 1e-9),
