@@ -205,6 +205,18 @@ class FakeServerProcess:
         self.proc.stdout.close()
 
 
+def run_with_fake_servers(coro_fn, *servers_args):
+    """Starts one FakeVLLMServer per kwargs dict, awaits `coro_fn(*servers)` and stops them; its result."""
+    async def main():
+        servers = [await FakeVLLMServer(**kw).start() for kw in servers_args]
+        try:
+            return await coro_fn(*servers)
+        finally:
+            for server in servers:
+                await server.stop()
+    return asyncio.run(main())
+
+
 def spawn_fake_server(*, token_delay: float = 0.0, die_on: str | None = None,
                       max_model_len: int = 64) -> FakeServerProcess:
     """Starts `python -m tests.backends.fake_vllm` and returns once it listens."""

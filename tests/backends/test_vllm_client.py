@@ -11,7 +11,7 @@ import pytest
 
 from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
-from tests.backends.fake_vllm import FakeVLLMServer
+from tests.backends.fake_vllm import run_with_fake_servers as run
 
 
 def dead_url() -> str:
@@ -20,17 +20,6 @@ def dead_url() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"http://127.0.0.1:{port}"
-
-
-def run(coro_fn, *servers_args):
-    async def main():
-        servers = [await FakeVLLMServer(**kw).start() for kw in servers_args]
-        try:
-            return await coro_fn(*servers)
-        finally:
-            for s in servers:
-                await s.stop()
-    return asyncio.run(main())
 
 
 def test_request_carries_token_ids_and_clips_max_tokens():

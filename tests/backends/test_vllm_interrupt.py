@@ -13,7 +13,8 @@ import pytest
 
 from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
-from tests.backends.fake_vllm import FakeVLLMServer, spawn_fake_server
+from tests.backends.fake_vllm import run_with_fake_servers as run
+from tests.backends.fake_vllm import spawn_fake_server
 
 RELOAD = "rpc:" + ext.RELOAD_FROM_PATH
 
@@ -34,17 +35,6 @@ async def until(condition, timeout=10.0):
 def shortest(server) -> int:
     """Tokens sampled so far by the least advanced running sequence of a fake server (0 when none runs)."""
     return min(map(len, server.running.values()), default=0)
-
-
-def run(coro_fn, *servers_args):
-    async def main():
-        servers = [await FakeVLLMServer(**kw).start() for kw in servers_args]
-        try:
-            return await coro_fn(*servers)
-        finally:
-            for s in servers:
-                await s.stop()
-    return asyncio.run(main())
 
 
 def test_interrupting_updates_keep_sequences_in_flight_and_version_each_token(tiny_model, tmp_path):
