@@ -62,7 +62,9 @@ def test_even_spread_across_servers():
     async def go(a, b):
         async with VLLMBackend([a.url, b.url]) as backend:
             tasks = [asyncio.create_task(backend.generate([1], max_tokens=1)) for _ in range(8)]
-            await asyncio.sleep(0.3)
+            deadline = time.monotonic() + 10  # every request held by a server (a loaded machine is slower)
+            while a.in_flight + b.in_flight < 8 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             loads = (a.in_flight, b.in_flight)
             a.hold.set()
             b.hold.set()
