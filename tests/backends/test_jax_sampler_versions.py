@@ -198,7 +198,9 @@ def test_weights_replicated_on_a_mesh_are_copied_so_the_trainer_may_donate_them(
     devices = jax.devices()
     assert len(devices) >= 2  # tests run with 8 CPU devices (tests/conftest.py)
     mesh = jax.sharding.Mesh(np.array(devices), ("d",))
-    replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    # from a copy: device_put onto a mesh holding the fixture's device may alias the shared fixture's buffers too
+    own = jax.tree.map(jnp.copy, params)
+    replicated = jax.device_put(own, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     sampler = JaxSampler(model, params, max_slots=2, device=devices[0], **SAMPLER_OPTIONS)
 
     async def main():
