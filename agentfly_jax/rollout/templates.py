@@ -29,6 +29,15 @@ Rollouts (`ConversationEncoder`) do as little as each turn needs: sampled ids ar
 rendered from the last message already appended on, and only new text is tokenised. `TokenSplitter` gives
 the ids of `tokenizer.encode` while cutting text at added tokens the way a fast tokenizer does, so that an
 `EncoderCache` shared by a rollout's chains tokenises their common prompt pieces once.
+
+Images (Qwen2-VL / Qwen2.5-VL): an image content part (`{"type": "image", "image": ...}`, see
+`images.load_image`) in a user, system or tool message renders as `<|vision_start|><|image_pad|><|vision_end|>`,
+as the model's Jinja template writes it; encoding then stands each image's `<|image_pad|>` for as many pad tokens
+as the vision tower gives it (`PreparedImage.num_tokens`), in order of appearance, exactly as transformers'
+`Qwen2_5_VLProcessor` expands the rendered text. `Encoded.images` (and `ConversationEncoder.images`) are the
+prepared images in that order. Image tokens are never generated: their mask is 0. A template must write one
+`<|image_pad|>` per image part (a mismatch is an error); assistant messages cannot hold images, and video parts
+are not encoded yet.
 """
 
 from __future__ import annotations
@@ -37,17 +46,25 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+from agentfly_jax.rollout.images import IMAGE_PAD, ImageSettings, PreparedImage, image_source, prepare_image
+
 Message = dict[str, Any]
+
+#: Image settings used when none are given: transformers' Qwen2-VL image processor defaults.
+DEFAULT_IMAGE_SETTINGS = ImageSettings()
 
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
-    """Token ids of a conversation and the action mask aligned to them (1 = written by the model)."""
+    """Token ids of a conversation and the action mask aligned to them (1 = written by the model), and the
+    conversation's images in order of appearance (each stands for a run of `<|image_pad|>` ids)."""
 
     token_ids: list[int]
     action_mask: list[int]
+    images: list[PreparedImage] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +130,11 @@ def _text_of_content(content: Any, template_name: str, media_placeholders: dict[
         if kind == "text":
             pieces.append(part if isinstance(part, str) else part["text"])
         elif media_placeholders is None:
-            raise ValueError(f"template {template_name!r} has no placeholder for {kind} content parts")
+            raise ValueError(
+                f"template {template_name!r} has no placeholder for {kind} content parts: images need a "
+                "vision-language template, chat_template='qwen2.5' (Qwen2.5-VL's format) or a Jinja template that "
+                f"writes {QWEN_VISION_PLACEHOLDERS['image']} per image"
+            )
         else:
             pieces.append(media_placeholders[kind])
     return "".join(pieces)
@@ -121,6 +142,71 @@ def _text_of_content(content: Any, template_name: str, media_placeholders: dict[
 
 def _has_media(content: Any) -> bool:
     return isinstance(content, list) and any(_content_part_kind(part) != "text" for part in content)
+
+
+def _image_parts(messages: Sequence[Message], first_index: int = 0) -> list[Any]:
+    """The image content parts of `messages`, in order; a video part or an assistant's image is an error."""
+    parts = []
+    for offset, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = _content_part_kind(part)
+            if kind == "text":
+                continue
+            index = first_index + offset
+            if kind == "video":
+                raise ValueError(
+                    f"message {index}: video content parts cannot be encoded yet (only images are expanded to "
+                    "their vision tokens): give the frames as images"
+                )
+            if message.get("role") == "assistant":
+                raise ValueError(f"message {index}: assistant messages cannot contain image or video parts")
+            parts.append(part)
+    return parts
+
+
+def _image_pad_id(tokenizer: Any) -> int:
+    """The id of `<|image_pad|>`, which must be one added token of the tokenizer."""
+    ids = _encode_text(tokenizer, IMAGE_PAD)
+    if len(ids) != 1 or IMAGE_PAD not in _added_vocab(tokenizer):
+        raise ValueError(
+            f"the conversation has images but the tokenizer has no {IMAGE_PAD} token: images need a Qwen2-VL / "
+            "Qwen2.5-VL tokenizer (its vision tokens) and template"
+        )
+    return int(ids[0])
+
+
+def _expand_images(
+    text: str,
+    images: Sequence[PreparedImage],
+    used: int,
+    pad_id: int,
+    encode: Callable[[str], list[int]],
+    starts: list[int],
+    offset: int,
+) -> tuple[list[int], int]:
+    """Ids of `text` with its k-th `<|image_pad|>` standing for `images[used + k]` (`num_tokens` pad ids), and the
+    count of images used so far. Appends to `starts` where each image's pad run starts (`offset` + its index)."""
+    pieces = text.split(IMAGE_PAD)
+    if used + len(pieces) - 1 > len(images):
+        _raise_image_count(used + len(pieces) - 1, len(images))
+    ids: list[int] = encode(pieces[0])
+    for piece in pieces[1:]:
+        starts.append(offset + len(ids))
+        ids.extend([pad_id] * images[used].num_tokens)
+        used += 1
+        ids.extend(encode(piece))
+    return ids, used
+
+
+def _raise_image_count(placeholders: int, images: int) -> None:
+    raise ValueError(
+        f"the chat template wrote {placeholders} {IMAGE_PAD} placeholders for {images} image parts: images need a "
+        f"template that writes {QWEN_VISION_PLACEHOLDERS['image']} once per image part (chat_template='qwen2.5' or "
+        f"Qwen2.5-VL's own), and no text may contain {IMAGE_PAD} itself"
+    )
 
 
 def _tojson(value: Any) -> str:
@@ -296,7 +382,8 @@ def render_qwen2_5(
     """Qwen2.5-Instruct's chat format (ChatML with Hermes-style tools), as TextChunks.
 
     Content may be a list of parts; image/video parts become Qwen2.5-VL placeholders
-    (`<|vision_start|><|image_pad|><|vision_end|>`), which the vision processor later expands.
+    (`<|vision_start|><|image_pad|><|vision_end|>`); encoding expands each image's `<|image_pad|>` to its
+    vision tokens (see the module docstring).
     """
     return _collect(_qwen2_5_parts(messages, tools, add_generation_prompt, tokenizer))[0]
 
@@ -718,6 +805,29 @@ class EncoderCache:
         self.splitter = TokenSplitter(tokenizer)
         self.prompt_pieces: dict[str, list[int]] = {}
         self._end_ids: dict[str | None, frozenset[int]] = {}
+        self._image_pad_id: int | None = None
+        # prompt images prepared once per rollout: (settings, source key) -> (source, PreparedImage); the source is
+        # kept so that an id() key is not reused by another object meanwhile
+        self._prompt_images: dict[tuple, tuple[Any, PreparedImage]] = {}
+
+    @property
+    def image_pad_id(self) -> int:
+        """The tokenizer's `<|image_pad|>` id (an error naming the problem when it has none)."""
+        if self._image_pad_id is None:
+            self._image_pad_id = _image_pad_id(self.tokenizer)
+        return self._image_pad_id
+
+    def prompt_image(self, part: Any, settings: ImageSettings) -> PreparedImage:
+        """The prepared image of a prompt's content part, prepared once for all chains that share the object (or
+        the path, bytes or data URL)."""
+        source = image_source(part)
+        if isinstance(source, (str, Path, bytes)):
+            key = (settings, type(source).__name__, source)
+        else:
+            key = (settings, "object", id(source))
+        if key not in self._prompt_images:
+            self._prompt_images[key] = (source, prepare_image(source, settings))
+        return self._prompt_images[key][1]
 
     def end_ids(self, chat_template: str | None) -> frozenset[int]:
         """Ids that end a turn: the tokenizer's special tokens and `chat_template`'s end-of-turn token."""
@@ -728,15 +838,34 @@ class EncoderCache:
         return self._end_ids[chat_template]
 
 
-def encode_chunks(tokenizer: Any, chunks: Sequence[TextChunk]) -> Encoded:
-    """Token ids and action mask of rendered chunks; each run of same-flag text is tokenised in one piece."""
+def encode_chunks(
+    tokenizer: Any, chunks: Sequence[TextChunk], images: Sequence[PreparedImage] = ()
+) -> Encoded:
+    """Token ids and action mask of rendered chunks; each run of same-flag text is tokenised in one piece.
+
+    `images`: the conversation's images in order; each `<|image_pad|>` of the text stands for the next one's
+    pad tokens (there must be exactly one per image, none in generated text).
+    """
     token_ids: list[int] = []
     action_mask: list[int] = []
+    if not images:
+        for chunk in chunks:
+            ids = _encode_text(tokenizer, chunk.text)
+            token_ids.extend(ids)
+            action_mask.extend([int(chunk.generated)] * len(ids))
+        return Encoded(token_ids=token_ids, action_mask=action_mask)
+    pad_id, used, starts = _image_pad_id(tokenizer), 0, []
     for chunk in chunks:
-        ids = _encode_text(tokenizer, chunk.text)
+        if chunk.generated and IMAGE_PAD in chunk.text:
+            raise ValueError(f"generated (assistant) text cannot hold {IMAGE_PAD}: images go in other messages")
+        ids, used = _expand_images(
+            chunk.text, images, used, pad_id, lambda text: _encode_text(tokenizer, text), starts, len(token_ids)
+        )
         token_ids.extend(ids)
         action_mask.extend([int(chunk.generated)] * len(ids))
-    return Encoded(token_ids=token_ids, action_mask=action_mask)
+    if used != len(images):
+        _raise_image_count(used, len(images))
+    return Encoded(token_ids=token_ids, action_mask=action_mask, images=list(images))
 
 
 def render_conversation(
@@ -760,11 +889,14 @@ def encode_conversation(
     tools: Sequence[Any] | None = None,
     chat_template: str | None = None,
     add_generation_prompt: bool = False,
+    image_settings: ImageSettings | None = None,
 ) -> Encoded:
     """Token ids of a whole conversation and the action mask (1 on every assistant turn's generated tokens).
 
     `chat_template` is "qwen2.5", "llama3", Jinja text, or None for the tokenizer's own Jinja template.
     `tools` is a list of tool JSON schemas (or documented functions), rendered where the template puts them.
+    Image parts are loaded and resized with `image_settings` (default: the Qwen2-VL processor's) and expanded to
+    their vision tokens; `Encoded.images` holds them in order.
     """
     chunks = render_conversation(
         tokenizer,
@@ -773,7 +905,9 @@ def encode_conversation(
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
     )
-    return encode_chunks(tokenizer, chunks)
+    settings = image_settings if image_settings is not None else DEFAULT_IMAGE_SETTINGS
+    images = [prepare_image(part, settings) for part in _image_parts(messages)]
+    return encode_chunks(tokenizer, chunks, images)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -795,6 +929,11 @@ class ConversationEncoder:
     so messages already appended are not read again. `cache`: an `EncoderCache` shared by the encoders of one
     rollout, so that prompt pieces they have in common are tokenised once (each encoder makes its own
     otherwise).
+
+    Images in the prompt and in appended messages are prepared with `image_settings` (default: the Qwen2-VL
+    processor's) and expanded to their pad tokens (see the module docstring); `images` lists them in order and
+    `image_starts` where each one's pad run starts in `token_ids`. The prompt's images are prepared once per
+    `cache` (the chains of a task share them).
     """
 
     def __init__(
@@ -804,6 +943,7 @@ class ConversationEncoder:
         tools: Sequence[Any] | None = None,
         chat_template: str | None = None,
         cache: EncoderCache | None = None,
+        image_settings: ImageSettings | None = None,
     ):
         if cache is not None and cache.tokenizer is not tokenizer:
             raise ValueError("the EncoderCache was made for another tokenizer: make one per tokenizer")
@@ -824,6 +964,29 @@ class ConversationEncoder:
         self._pending_text = ""  # template text after the last assistant turn, not yet tokenised
         self._awaiting_assistant = False
         self._started = False
+        self.image_settings = image_settings if image_settings is not None else DEFAULT_IMAGE_SETTINGS
+        self.images: list[PreparedImage] = []
+        self.image_starts: list[int] = []  # where each image's <|image_pad|> run starts in token_ids
+
+    def _encode_with_images(
+        self, texts: Sequence[str], images: Sequence[PreparedImage], cache: dict[str, list[int]] | None = None
+    ) -> list[list[int]]:
+        """The ids of each of `texts` (new text, tokenised each on its own) whose `<|image_pad|>`s stand for
+        `images` (all of them, in order); records the images and where each one's pad run starts."""
+        pad_id, used, offset = self._cache.image_pad_id, 0, len(self.token_ids)
+        starts: list[int] = []
+        out = []
+        for text in texts:
+            ids, used = _expand_images(
+                text, images, used, pad_id, lambda piece: self._splitter.encode(piece, cache), starts, offset
+            )
+            offset += len(ids)
+            out.append(ids)
+        if used != len(images):
+            _raise_image_count(used, len(images))
+        self.images.extend(images)
+        self.image_starts.extend(starts)
+        return out
 
     def _render_named(
         self, messages: Sequence[Message], add_generation_prompt: bool
@@ -888,8 +1051,15 @@ class ConversationEncoder:
             _, chunks, _, message_starts = self._render_named(messages, True)
         # As encode_chunks: each chunk on its own (the pieces of the prompt's chunks repeat across chains).
         token_ids: list[int] = []
-        for chunk in chunks:
-            token_ids.extend(self._splitter.encode(chunk.text, self._cache.prompt_pieces))
+        image_parts = _image_parts(messages)
+        if image_parts:
+            images = [self._cache.prompt_image(part, self.image_settings) for part in image_parts]
+            texts = [chunk.text for chunk in chunks]
+            for ids in self._encode_with_images(texts, images, self._cache.prompt_pieces):
+                token_ids.extend(ids)
+        else:
+            for chunk in chunks:
+                token_ids.extend(self._splitter.encode(chunk.text, self._cache.prompt_pieces))
         self.messages = list(messages)
         self.token_ids = token_ids
         self.action_mask = [0] * len(token_ids)
@@ -924,6 +1094,8 @@ class ConversationEncoder:
             raise ValueError(
                 f"append_assistant() takes an assistant message, got role {message.get('role')!r}"
             )
+        if _has_media(message.get("content")):
+            raise ValueError("append_assistant(): assistant messages cannot contain image or video parts")
         through_text, generated_end, message_starts = self._render_turn(message)
         # The rendered turn's last token is the end-of-turn token; a sample cut off before it gets it here.
         end_of_turn_text = ""
@@ -964,7 +1136,13 @@ class ConversationEncoder:
         self._check_extends(
             new_full_text, f"adding messages {len(self.messages)}..{len(self.messages) + len(messages) - 1}"
         )
-        new_ids = self._splitter.encode(self._pending_text + new_full_text[len(self._rendered_text) :])
+        new_text = self._pending_text + new_full_text[len(self._rendered_text) :]
+        image_parts = _image_parts(messages, first_index=len(self.messages))
+        if image_parts:
+            images = [prepare_image(part, self.image_settings) for part in image_parts]
+            [new_ids] = self._encode_with_images([new_text], images)
+        else:
+            new_ids = self._splitter.encode(new_text)
         self.token_ids.extend(new_ids)
         self.action_mask.extend([0] * len(new_ids))
         self.messages.extend(messages)
@@ -989,5 +1167,5 @@ class ConversationEncoder:
         return self.encoded()
 
     def encoded(self) -> Encoded:
-        """The ids and action mask of everything appended so far."""
-        return Encoded(token_ids=list(self.token_ids), action_mask=list(self.action_mask))
+        """The ids, action mask and images of everything appended so far."""
+        return Encoded(token_ids=list(self.token_ids), action_mask=list(self.action_mask), images=list(self.images))

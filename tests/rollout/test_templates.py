@@ -8,12 +8,16 @@ one rebuilt offline; the Llama 3 tokenizer is a stand-in with Llama 3's special 
 
 import unicodedata
 
+import numpy as np
+import PIL.Image
 import pytest
 
+from agentfly_jax.rollout.images import ImageError
 from agentfly_jax.rollout.templates import (
     ConversationEncoder,
     TemplateNotAppendOnlyError,
     encode_conversation,
+    render_conversation,
     render_qwen2_5,
 )
 from tests.rollout.conversations import CONVERSATIONS, TOOLS
@@ -287,56 +291,56 @@ def test_qwen_content_starting_with_a_line_break_is_tokenised_as_sampled(qwen_to
     )
 
 
-def test_image_parts_become_qwen_vl_placeholders_with_mask_zero(qwen_tokenizer):
+def test_image_parts_render_as_placeholders_and_encode_to_each_images_vision_tokens(qwen_tokenizer):
+    """The text keeps one <|image_pad|> per image (as the Jinja template writes it); the ids stand each image's
+    pad for as many pads as its tokens, as the VL processor expands the text (mask 0)."""
+    wide = PIL.Image.new("RGB", (70, 50), (200, 10, 10))  # resized to 56x56: 4 tokens
+    square = np.zeros((100, 100, 3), np.uint8)  # resized to 112x112: 16 tokens
     with_image = [
         {
             "role": "user",
-            "content": [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is this?"}],
+            "content": [{"type": "image", "image": wide}, {"type": "text", "text": "What is this?"}],
         },
         {"role": "assistant", "content": "A cat."},
-        {
-            "role": "user",
-            "content": [{"type": "text", "text": "And these?"}, {"type": "image"}, {"type": "video"}],
-        },
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image", "image": square}]},
     ]
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     as_text = [
-        {"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>What is this?"},
+        {"role": "user", "content": placeholder + "What is this?"},
         {"role": "assistant", "content": "A cat."},
-        {
-            "role": "user",
-            "content": "And these?<|vision_start|><|image_pad|><|vision_end|>"
-            "<|vision_start|><|video_pad|><|vision_end|>",
-        },
+        {"role": "user", "content": "And this?" + placeholder},
     ]
-    encoded = encode_conversation(
-        qwen_tokenizer, with_image, chat_template="qwen2.5", add_generation_prompt=True
+    rendered = "".join(chunk.text for chunk in render_conversation(qwen_tokenizer, with_image, chat_template="qwen2.5"))
+    assert rendered == qwen_tokenizer.apply_chat_template(as_text, tokenize=False)
+    as_expanded = [
+        {"role": "user", "content": placeholder.replace("<|image_pad|>", "<|image_pad|>" * 4) + "What is this?"},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "And this?" + placeholder.replace("<|image_pad|>", "<|image_pad|>" * 16)},
+    ]
+    encoded = encode_conversation(qwen_tokenizer, with_image, chat_template="qwen2.5", add_generation_prompt=True)
+    assert encoded.token_ids == hf_token_ids(qwen_tokenizer, as_expanded, None, True)
+    assert [image.num_tokens for image in encoded.images] == [4, 16]
+    image_pad, vision_start, vision_end = qwen_tokenizer.convert_tokens_to_ids(
+        ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"]
     )
-    assert encoded.token_ids == hf_token_ids(qwen_tokenizer, as_text, None, True)
-    image_pad, video_pad, vision_start = qwen_tokenizer.convert_tokens_to_ids(
-        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>"]
-    )
-    assert (image_pad, video_pad, vision_start) == (151655, 151656, 151652)
-    positions = [
-        i for i, token in enumerate(encoded.token_ids) if token in (image_pad, video_pad, vision_start)
-    ]
-    assert [encoded.token_ids[i] for i in positions] == [
-        vision_start,
-        image_pad,
-        vision_start,
-        image_pad,
-        vision_start,
-        video_pad,
-    ]
-    assert all(encoded.action_mask[i] == 0 for i in positions)
+    assert (image_pad, vision_start, vision_end) == (151655, 151652, 151653)
+    vision = [i for i, token in enumerate(encoded.token_ids) if token in (image_pad, vision_start, vision_end)]
+    assert len(vision) == 4 + 16 + 4 and all(encoded.action_mask[i] == 0 for i in vision)
     assert [qwen_tokenizer.decode(run) for run in masked_runs(encoded)] == ["A cat.<|im_end|>"]
 
     encoder = ConversationEncoder(qwen_tokenizer, chat_template="qwen2.5")
     encoder.start(with_image[:1])
-    encoder.append_assistant(
-        qwen_tokenizer.encode("A cat.<|im_end|>", add_special_tokens=False), with_image[1]
-    )
+    encoder.append_assistant(qwen_tokenizer.encode("A cat.<|im_end|>", add_special_tokens=False), with_image[1])
     encoder.append_messages(with_image[2:])
     assert encoder.encoded() == encoded
+    assert [encoded.token_ids[start - 1] for start in encoder.image_starts] == [vision_start, vision_start]
+
+    with pytest.raises(ValueError, match="video content parts cannot be encoded"):
+        encode_conversation(qwen_tokenizer, [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}],
+                            chat_template="qwen2.5")
+    with pytest.raises(ImageError, match="holds no image"):
+        encode_conversation(qwen_tokenizer, [{"role": "user", "content": [{"type": "image"}]}],
+                            chat_template="qwen2.5")
 
 
 def test_tools_given_as_python_functions_match_hf(qwen_tokenizer):
