@@ -5,6 +5,13 @@ checks the arguments against its schema, gives stateful tools their chain's envi
 (sync tools in a worker thread) under its timeout, and truncates long observations. The outcome is a
 `ToolResult`; a failed call has `ok=False`, an `error` message and an `error_kind` from `TOOL_ERROR_KINDS`.
 
+What a tool returns: a string (the observation); a dict with an `observation` (its other fields are extras);
+other JSON-able values (shown as JSON); or content parts with images, a list of `{"type": "text", "text": str}`
+and `{"type": "image", "image": <PIL image | numpy array | path | bytes>}` dicts in the order the model reads them
+(also as a dict's `observation`). Images are checked and loaded with `rollout.images.load_image` (off the event
+loop); one that cannot be used makes the call a `bad_image` failure naming the problem. The observation limit
+counts the parts' text only.
+
 `call_with_limit` is how tools and rewards run user code: under a limit that holds even for code that ignores
 cancellation (it is abandoned, not awaited), with `SystemExit`, `KeyboardInterrupt` and the like raised by the
 code turned into an ordinary exception, so that user code can neither hang a chain nor end the process.
@@ -24,6 +31,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from agentfly_jax.rollout.images import ImageError, load_image
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.decorator import ENV_PARAMETER, TASK_PARAMETER, Tool, as_tool_table
 from agentfly_jax.tools.parsers import (
@@ -45,6 +53,7 @@ TOOL_ERROR_KINDS = (
     "timeout",  # the tool ran past its timeout and was stopped
     "oversized",  # the observation was longer than the limit and was truncated
     "env_error",  # the chain could not get the tool's environment
+    "bad_image",  # the tool returned an image that cannot be used (unreadable, empty, too large, bad array, ...)
 )
 
 #: Defaults used when neither the tool nor the caller sets a limit.
@@ -331,9 +340,11 @@ async def _stop(running: Any) -> bool:
 class ToolResult:
     """The outcome of one tool call.
 
-    observation: what the model sees next (the tool's output, or a readable error).
+    observation: the tool's text output (or a readable error); all that the model sees unless `parts` is set.
     ok: False when anything went wrong (then `error` and `error_kind` say what).
     extras: fields other than `observation` of a dict the tool returned (logged, not shown to the model).
+    parts: when the tool returned images: its content parts in order, `{"type": "text", "text": str}` and
+      `{"type": "image", "image": <RGB PIL image>}` (`observation` is then their text); None otherwise.
     """
 
     observation: str
@@ -345,6 +356,17 @@ class ToolResult:
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     latency_s: float = 0.0
     abandoned: bool = False  # a timed-out call was still running when given up on (see call_with_limit)
+    parts: list[dict[str, Any]] | None = None
+
+    @property
+    def images(self) -> list[Any]:
+        """The images the tool returned, in order (RGB PIL images)."""
+        return [part["image"] for part in self.parts or () if part["type"] == "image"]
+
+    @property
+    def content(self) -> str | list[dict[str, Any]]:
+        """The tool message's content: the observation text, or the content parts when there are images."""
+        return self.parts if self.parts is not None else self.observation
 
 
 def _failure(kind: str, message: str, name: str = "", arguments: Any = None, **fields: Any) -> ToolResult:
@@ -413,8 +435,9 @@ def _shown(value: Any) -> str:
         return f"<{type(value).__name__} not shown: {type(error).__name__}: {error}>"
 
 
-def _observation_of(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
-    """(observation, extras) from what a tool returned; raises TypeError for anything unusable.
+def _observation_of(tool: Tool, result: Any) -> tuple[str | list[Mapping[str, Any]], dict[str, Any]]:
+    """(observation, extras) from what a tool returned, the observation as text or as content parts (a list of
+    text and image parts, text parts checked); raises TypeError for anything unusable.
 
     A value with no JSON text (a list or dict holding itself, an int longer than Python converts, an object
     whose str() raises) is unusable too: the TypeError names the tool, the type and why."""
@@ -429,9 +452,31 @@ def _observation_of(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
         ) from error
 
 
-def _observation_text(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
+def _content_parts(value: Any) -> list[Mapping[str, Any]] | None:
+    """`value` as content parts when it is a non-empty list of dicts typed "text" or "image", else None."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    if not all(isinstance(part, Mapping) and part.get("type") in ("text", "image") for part in value):
+        return None
+    return list(value)
+
+
+def _checked_parts(tool: Tool, parts: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    for index, part in enumerate(parts):
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise TypeError(
+                f"tool '{tool.name}' returned a text part without a string 'text' (part {index}: "
+                f"{sorted(map(str, part))}); write {{'type': 'text', 'text': <string>}}"
+            )
+    return parts
+
+
+def _observation_text(tool: Tool, result: Any) -> tuple[str | list[Mapping[str, Any]], dict[str, Any]]:
     if isinstance(result, str):
         return result, {}
+    parts = _content_parts(result)
+    if parts is not None:
+        return _checked_parts(tool, parts), {}
     if isinstance(result, Mapping):
         if "observation" not in result:
             raise TypeError(
@@ -439,7 +484,10 @@ def _observation_text(tool: Tool, result: Any) -> tuple[str, dict[str, Any]]:
                 f"(keys: {sorted(map(str, result))}); return a string or {{'observation': ..., ...}}"
             )
         observation = result["observation"]
-        if not isinstance(observation, str):
+        parts = _content_parts(observation)
+        if parts is not None:
+            observation = _checked_parts(tool, parts)
+        elif not isinstance(observation, str):
             observation = json.dumps(observation, default=str, ensure_ascii=False)
         return observation, {key: value for key, value in result.items() if key != "observation"}
     if result is None:
@@ -584,6 +632,22 @@ async def _execute_tool_call(
         observation, extras = _observation_of(tool, result)
     except TypeError as error:
         return _failure("tool_exception", str(error), name=tool.name, arguments=arguments, latency_s=latency_s)
+    parts = None
+    if not isinstance(observation, str):
+        try:
+            parts = await asyncio.to_thread(_loaded_parts, observation)
+        except _BadImage as bad:
+            return _failure(
+                "bad_image",
+                f"tool '{tool.name}' returned an image that cannot be used (part {bad.index}): {bad.reason}",
+                name=tool.name,
+                arguments=arguments,
+                extras=extras,
+                latency_s=latency_s,
+            )
+        observation = "".join(part["text"] for part in parts if part["type"] == "text")
+        if not any(part["type"] == "image" for part in parts):
+            parts = None  # text parts only: the same as returning their text
 
     max_chars = tool.max_observation_chars or max_observation_chars or DEFAULT_MAX_OBSERVATION_CHARS
     if len(observation) > max_chars:
@@ -601,6 +665,7 @@ async def _execute_tool_call(
             arguments=arguments,
             extras=extras,
             latency_s=latency_s,
+            parts=_truncated_parts(parts, max_chars, note) if parts is not None else None,
         )
     return ToolResult(
         observation=observation,
@@ -609,7 +674,45 @@ async def _execute_tool_call(
         arguments=arguments,
         extras=extras,
         latency_s=latency_s,
+        parts=parts,
     )
+
+
+class _BadImage(Exception):
+    def __init__(self, index: int, reason: str):
+        super().__init__(reason)
+        self.index = index
+        self.reason = reason
+
+
+def _loaded_parts(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Content parts with each image loaded as an RGB PIL image (`load_image`); _BadImage names the first bad one."""
+    loaded: list[dict[str, Any]] = []
+    for index, part in enumerate(parts):
+        if part["type"] == "text":
+            loaded.append({"type": "text", "text": part["text"]})
+            continue
+        try:
+            loaded.append({"type": "image", "image": load_image(part)})
+        except ImageError as error:
+            raise _BadImage(index, str(error)) from error
+        except Exception as error:  # noqa: BLE001 - whatever a strange image object raises is shown, not raised
+            raise _BadImage(index, f"{type(error).__name__}: {_text_of(error)}") from error
+    return loaded
+
+
+def _truncated_parts(parts: list[dict[str, Any]], max_chars: int, note: str) -> list[dict[str, Any]]:
+    """The parts with their text cut to `max_chars` characters in all (images kept), then `note`."""
+    remaining, kept = max_chars, []
+    for part in parts:
+        if part["type"] == "text":
+            text = part["text"][:remaining]
+            remaining -= len(text)
+            if not text:
+                continue
+            part = {"type": "text", "text": text}
+        kept.append(part)
+    return kept + [{"type": "text", "text": note}]
 
 
 async def _run_with_timeout(tool: Tool, arguments: dict[str, Any], limit_s: float) -> Any:
@@ -629,6 +732,11 @@ def _encodable(result: ToolResult) -> ToolResult:
     """The result with no lone surrogate left in what is shown or logged; a successful call whose output held
     one becomes a `tool_exception` failure (its output kept, escaped, with a note saying so)."""
     observation, count = _without_surrogates(result.observation)
+    if result.parts is not None:
+        result.parts = [
+            {"type": "text", "text": _without_surrogates(part["text"])[0]} if part["type"] == "text" else part
+            for part in result.parts
+        ]
     result.error = _without_surrogates(result.error)[0] if result.error is not None else None
     result.name = _without_surrogates(result.name)[0]
     if count and result.ok:

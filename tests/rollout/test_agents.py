@@ -65,6 +65,12 @@ async def broken_env_tool(env: Any) -> str:
     return "never"
 
 
+@tool
+def broken_image() -> list:
+    """Returns an image whose bytes are not an image."""
+    return [{"type": "text", "text": "here:"}, {"type": "image", "image": b"not an image"}]
+
+
 # --------------------------------------------------------------------------------------------------
 # Token-in/token-out trajectories
 # --------------------------------------------------------------------------------------------------
@@ -175,6 +181,7 @@ ERROR_TURNS = [
     ("timeout", tool_call_text("hang", {}), "did not finish within 0.05 s"),
     ("oversized", tool_call_text("huge", {}), "[observation truncated"),
     ("env_error", tool_call_text("broken_env_tool", {}), "pool 'broken_pool' is full"),
+    ("bad_image", tool_call_text("broken_image", {}), "returned an image that cannot be used (part 1)"),
 ]
 
 
@@ -185,7 +192,7 @@ def test_chain_keeps_going_after_every_tool_error_kind(qwen_tokenizer):
     agent = ToolCallingAgent(
         backend,
         qwen_tokenizer,
-        tools=[add, explode, hang, huge, broken_env_tool],
+        tools=[add, explode, hang, huge, broken_env_tool, broken_image],
         reward_fn=math_match,
         chat_template=QWEN,
         env_provider=FakeEnvProvider(fail_pools={"broken_pool"}),
