@@ -15,11 +15,28 @@ enlarged from a canvas finer than that image, which is how the tiny shapes can b
   SFT demonstrations (`environments.visual_scenes.spec`).
 """
 
-from environments.visual_scenes.questions import QUESTION_TYPES, answer_query, glance_answer, relevant_tiny_objects
+from environments.visual_scenes.questions import (
+    QUESTION_TYPES,
+    answer_query,
+    glance_answer,
+    relevant_tiny_objects,
+)
 from environments.visual_scenes.reward import normalize_answer, visual_scene_answer
 from environments.visual_scenes.scenes import COLORS, SHAPES, generate_scene, render_canvas, render_image
-from environments.visual_scenes.spec import demonstration, env_spec, oracle_policy, random_policy, system_prompt
-from environments.visual_scenes.tasks import SceneImages, first_user_message, generate_split, make_row, scene_seed
+from environments.visual_scenes.spec import (
+    demonstration,
+    env_spec,
+    oracle_policy,
+    random_policy,
+    system_prompt,
+)
+from environments.visual_scenes.tasks import (
+    SceneImages,
+    first_user_message,
+    generate_split,
+    make_row,
+    scene_seed,
+)
 from environments.visual_scenes.tools import ZOOM_SIZE, zoom, zoom_image
 
 __all__ = [

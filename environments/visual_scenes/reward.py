@@ -15,8 +15,8 @@ from typing import Any
 from agentfly_jax.rewards.decorator import reward
 from agentfly_jax.rewards.qa import normalize_qa_answer, qa_prediction
 
-_NUMBER_WORDS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-                 "fifteen sixteen seventeen eighteen nineteen twenty").split()
+_NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty")
 _SYNONYMS = {
     **{word: str(value) for value, word in enumerate(_NUMBER_WORDS)},
     "none": "0",

@@ -14,7 +14,7 @@ are not shapes (questions never count them).
 Two renderings, why two: `render_canvas` draws the scene `detail` times finer (no anti-aliasing: every pixel
 is the background, grey or one palette colour, which lets tests check the scene by its pixels), and
 `render_image` is that canvas averaged down to the image size (`Image.BOX`), the supersampled picture the agent
-gets. A tiny object (`TINY_SIZES`, 6-8 image pixels) is a smudge of roughly the right colour in the image, but
+gets. A tiny object (`TINY_SIZES`, 5-7 image pixels) is a smudge of roughly the right colour in the image, but
 its outline is clear on the canvas; the zoom tool crops the canvas, so zooming in shows detail the image does
 not have, as with a photograph taken at a higher resolution than it is displayed.
 """
@@ -41,7 +41,7 @@ BACKGROUND: tuple[int, int, int] = (255, 255, 255)
 DISTRACTOR_COLOR: tuple[int, int, int] = (128, 128, 128)
 
 #: Side of a tiny object's bounding box in image pixels: too small to tell its shape without zooming.
-TINY_SIZES = (6, 8)
+TINY_SIZES = (5, 7)
 #: Side of any other object's bounding box in image pixels.
 NORMAL_SIZES = (16, 44)
 #: Side of a distractor speck in image pixels.

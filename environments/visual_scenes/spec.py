@@ -91,7 +91,7 @@ def env_spec(*, image_size: int = 224, detail: int = 4, num_objects: Sequence[in
 
     image_size: side of the square image the agent is shown (pixels); detail: canvas pixels per image pixel
     the zoom tool crops from; num_objects / num_tiny / num_distractors: [min, max] shapes per scene, how many
-    of them tiny (6-8 pixels, need zooming) and grey specks; question_types: a subset of
+    of them tiny (5-7 pixels, need zooming) and grey specks; question_types: a subset of
     `questions.QUESTION_TYPES`; train_size / dev_size / test_size: rows of each split (`num <= 0` asks for all;
     the splits draw from disjoint scene seeds); max_turns: assistant turns per chain (zooms + the answer).
     """
@@ -118,9 +118,10 @@ def env_spec(*, image_size: int = 224, detail: int = 4, num_objects: Sequence[in
     for split, size in sizes.items():
         if not 1 <= size < SEED_SPAN:
             raise ValueError(f"{split}_size={size}; expected 1 to {SEED_SPAN - 1} rows")
-    if max_turns < options["num_tiny"][1] + 1:
-        raise ValueError(f"max_turns={max_turns}; a scene may hold {options['num_tiny'][1]} tiny shapes to zoom on, "
-                         f"so give at least {options['num_tiny'][1] + 1} turns (a zoom per tiny shape, then the answer)")
+    most_tiny = options["num_tiny"][1]
+    if max_turns < most_tiny + 1:
+        raise ValueError(f"max_turns={max_turns}; a scene may hold {most_tiny} tiny shapes to zoom on, so give at "
+                         f"least {most_tiny + 1} turns (a zoom per tiny shape, then the answer)")
 
     def tasks(split: str, num: int, seed: int) -> list[dict]:
         if split not in SPLITS:

@@ -7,8 +7,8 @@ would look like an ellipse). The tool returns content parts, a short text and th
 
     [{"type": "text", "text": "Zoomed in on x 30-54, y 168-192 ..."}, {"type": "image", "image": <PIL.Image>}]
 
-A bad region raises ValueError with a message saying what to change; the rollout shows it to the agent as the
-call's observation.
+A bad region raises ValueError (TypeError for a coordinate that is not an integer) with a message saying what
+to change; the rollout shows it to the agent as the call's observation.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MIN_REGION = 4
 def _check_region(x0: Any, y0: Any, x1: Any, y1: Any, width: int, height: int) -> None:
     for name, value in (("x0", x0), ("y0", y0), ("x1", x1), ("y1", y1)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name}={value!r}: coordinates are whole pixels (integers)")
+            raise TypeError(f"{name}={value!r}: coordinates are whole pixels (integers)")
     for axis, low, high, size in (("x", x0, x1, width), ("y", y0, y1, height)):
         for name, value in ((f"{axis}0", low), (f"{axis}1", high)):
             if not 0 <= value <= size:
@@ -43,7 +43,7 @@ def _check_region(x0: Any, y0: Any, x1: Any, y1: Any, width: int, height: int) -
 
 def zoom_image(scene: Mapping[str, Any], x0: int, y0: int, x1: int, y1: int):
     """The zoomed PIL image of region (x0, y0)-(x1, y1) (image pixels) of `scene`; raises ValueError for a
-    region that is not inside the image or is smaller than MIN_REGION."""
+    region that is not inside the image or is smaller than MIN_REGION, TypeError for non-integer coordinates."""
     from PIL import Image
 
     width, height, detail = int(scene["width"]), int(scene["height"]), int(scene["detail"])
