@@ -6,11 +6,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-# HF `architectures` entry -> our family name. Both families share one decoder; they differ in defaults
-# (qkv bias, tied embeddings, rope scaling) that live in the config, not in code paths.
+# HF `architectures` entry -> our family name. The text families share one decoder; they differ in defaults
+# (qkv bias, tied embeddings, rope scaling) that live in the config, not in code paths. "qwen2_5_vl" is that
+# decoder with multimodal rotary positions (`ModelConfig.mrope_section`) behind a vision tower
+# (`ModelConfig.vision`, models/qwen2_5_vl.py).
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 _FAMILY_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -35,6 +38,122 @@ def as_dtype(dtype: Any):
             raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     return jnp.dtype(dtype).type
+
+
+# Keys of a Qwen2.5-VL `vision_config` that we interpret (the rest is carried through `VisionConfig.extra`).
+_VISION_KEYS = {
+    "depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "in_channels", "in_chans",
+    "patch_size", "spatial_patch_size", "temporal_patch_size", "spatial_merge_size", "window_size",
+    "fullatt_block_indexes", "tokens_per_second", "hidden_act", "rope_parameters", "rope_theta", "model_type",
+    "torch_dtype", "dtype", "transformers_version", "_name_or_path", "initializer_range",
+}
+# Top-level keys of a Qwen2.5-VL config.json that name special tokens (kept in VisionConfig).
+_VL_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The Qwen2.5-VL vision tower (models/qwen2_5_vl.py) and the special tokens through which its features
+    enter the token sequence. Defaults are transformers' `Qwen2_5_VLVisionConfig` defaults, so a
+    `vision_config` that omits a key means what it means to transformers.
+
+    Geometry: an image is cut into `patch_size` x `patch_size` pixel patches (`temporal_patch_size` frames
+    deep, a still image repeated); `spatial_merge_size`^2 neighbouring patches merge into one language-model
+    token. Blocks in `fullatt_block_indexes` attend over a whole frame, the others within windows of
+    `window_size` pixels (`window_size // spatial_merge_size // patch_size` merged tokens a side).
+    """
+
+    depth: int = 32
+    hidden_size: int = 3584
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    out_hidden_size: int = 3584
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple = (7, 15, 23, 31)
+    tokens_per_second: int = 4
+    rope_theta: float = 10000.0
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    extra: dict = dataclasses.field(default_factory=dict)  # vision_config keys carried through unchanged
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"vision hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if self.head_dim % 4:
+            raise ValueError(f"vision head dim {self.head_dim} must be divisible by 4 (the 2-D rotary embedding "
+                             "rotates a quarter of it by the row and a quarter by the column)")
+        if self.window_merged < 1:
+            raise ValueError(f"vision window_size={self.window_size} is smaller than one merged token "
+                             f"({self.spatial_merge_size} x {self.patch_size} px)")
+        object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per language-model token (spatial_merge_size^2)."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one row of the processor's pixel_values: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def window_merged(self) -> int:
+        """Side of an attention window in merged tokens."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @property
+    def num_params(self) -> int:
+        e, f, m = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+        block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (3 * e * f + 2 * f + e)
+        merger = e + (m * m + m) + (m * self.out_hidden_size + self.out_hidden_size)
+        return self.patch_dim * e + self.depth * block + merger
+
+    @classmethod
+    def from_hf_dict(cls, vision: dict, top: dict) -> "VisionConfig":
+        """From a `vision_config` dict and the top-level config (which holds the special token ids)."""
+        act = vision.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"vision hidden_act={act!r} is not supported; the Qwen2.5-VL vision MLP is SwiGLU (silu)")
+        rope = dict(vision.get("rope_parameters") or {})
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision rope_type={rope['rope_type']!r} is not supported; Qwen2.5-VL uses 'axial'")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in vision.items() if k in fields and k != "extra"}
+        # older configs spell two keys differently
+        if "in_chans" in vision and "in_channels" not in vision:
+            kw["in_channels"] = vision["in_chans"]
+        if "spatial_patch_size" in vision and "patch_size" not in vision:
+            kw["patch_size"] = vision["spatial_patch_size"]
+        for key in ("patch_size", "temporal_patch_size"):
+            if not isinstance(kw.get(key, 0), int):
+                raise ValueError(f"vision {key}={kw[key]!r} is not supported; expected one integer")
+        kw["rope_theta"] = float(rope.get("rope_theta", vision.get("rope_theta", 10000.0)))
+        kw.update({k: top[k] for k in _VL_TOKEN_KEYS if k in top})
+        return cls(**kw, extra={k: v for k, v in vision.items() if k not in _VISION_KEYS})
+
+    def to_hf_dict(self) -> dict:
+        out = dict(self.extra)
+        out.update(
+            model_type="qwen2_5_vl_vision", depth=self.depth, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_heads=self.num_heads,
+            out_hidden_size=self.out_hidden_size, in_channels=self.in_channels, patch_size=self.patch_size,
+            temporal_patch_size=self.temporal_patch_size, spatial_merge_size=self.spatial_merge_size,
+            window_size=self.window_size, fullatt_block_indexes=list(self.fullatt_block_indexes),
+            tokens_per_second=self.tokens_per_second, hidden_act="silu",
+            rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta},
+        )
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +186,11 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # Qwen2.5-VL (family "qwen2_5_vl", models/qwen2_5_vl.py) only: the vision tower, and mRoPE's split of the
+    # head_dim / 2 rotary frequencies between the temporal, height and width position axes (three sizes).
+    # LoRA adapters (lora_targets) go on the language model's projections; the vision tower has none.
+    vision: VisionConfig | None = None
+    mrope_section: tuple | None = None
     extra: dict = dataclasses.field(default_factory=dict)  # HF config keys carried through unchanged
 
     def __post_init__(self):
@@ -90,8 +214,33 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"lora_targets {unknown} are not projections of this decoder; known: {known}")
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if (self.family == "qwen2_5_vl") != (self.vision is not None):
+            raise ValueError(f"family {self.family!r} with vision={type(self.vision).__name__}: family 'qwen2_5_vl' "
+                             "needs a VisionConfig in `vision`, and the text families take none")
+        if self.vision is not None:
+            self._check_vision_language()
+        elif self.mrope_section is not None:
+            raise ValueError("mrope_section is set but the family is not 'qwen2_5_vl'; multimodal rotary positions "
+                             "belong to the vision-language model only")
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
         object.__setattr__(self, "param_dtype", as_dtype(self.param_dtype))
+
+    def _check_vision_language(self):
+        half = self.resolved_head_dim // 2
+        if self.mrope_section is None or len(self.mrope_section) != 3 or sum(self.mrope_section) != half:
+            raise ValueError(f"mrope_section={self.mrope_section!r} must be three sizes (temporal, height, width) "
+                             f"summing to head_dim / 2 = {half}")
+        object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
+        if self.head_dim not in (None, self.hidden_size // self.num_heads):
+            raise ValueError(f"head_dim={self.head_dim}: the Qwen2.5-VL language model's head dim is hidden_size // "
+                             f"num_heads = {self.hidden_size // self.num_heads}")
+        if not self.qkv_bias:
+            raise ValueError("Qwen2.5-VL's language model always has qkv biases; set qkv_bias=True")
+        if self.rope_scaling:
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} is not supported with mRoPE (qwen2_5_vl)")
+        if self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(f"vision out_hidden_size={self.vision.out_hidden_size} must equal the language model's "
+                             f"hidden_size={self.hidden_size} (merged image features replace token embeddings)")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -115,64 +264,87 @@ class ModelConfig:
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
         layer = attn + 3 * h * self.intermediate_size + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+        vision = self.vision.num_params if self.vision is not None else 0
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h + vision
 
     # ----------------------------------------------------------------------------------- HF config.json
     @classmethod
     def from_hf_dict(cls, hf: dict, **overrides) -> "ModelConfig":
-        """Builds a config from a transformers `config.json` dict; raises on what we cannot compute exactly."""
+        """Builds a config from a transformers `config.json` dict; raises on what we cannot compute exactly.
+
+        Qwen2.5-VL configs come in two layouts, both read: transformers 5 nests the language model's keys in
+        `text_config`; earlier files (the released checkpoints) keep them at the top level. Either way
+        `vision_config` holds the vision tower and the top level the special token ids.
+        """
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            family = {"qwen2": "qwen2", "llama": "llama"}.get(hf.get("model_type", ""))
+            family = {"qwen2": "qwen2", "llama": "llama", "qwen2_5_vl": "qwen2_5_vl"}.get(hf.get("model_type", ""))
             if family is None:
                 raise ValueError(
                     f"unsupported architecture {archs or hf.get('model_type')!r}; agentfly_jax.models supports "
-                    f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type 'qwen2' or 'llama')")
+                    f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type 'qwen2', 'llama' or 'qwen2_5_vl')")
         else:
             family = SUPPORTED_ARCHITECTURES[arch]
-        act = hf.get("hidden_act", "silu")
+        vl = family == "qwen2_5_vl"
+        text = hf
+        if vl:  # the language model's keys: nested (transformers 5) over the top level (older files)
+            text = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config", *_VL_TOKEN_KEYS)}
+            text.update(hf.get("text_config") or {})
+        act = text.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported; the decoder implements SwiGLU (silu)")
-        if hf.get("mlp_bias"):
+        if text.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported by agentfly_jax.models")
-        if hf.get("use_sliding_window"):
+        if text.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True is not supported; set it to false (Qwen2.5 ships it off)")
 
         # transformers 5 moved rope settings into `rope_parameters`; older files use rope_theta + rope_scaling.
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling")
+        rope = dict(text.get("rope_parameters") or {})
+        scaling = text.get("rope_scaling")
         if scaling:
             rope.update(scaling)
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        # transformers' defaults where a key is absent: Qwen2.5-VL's text config differs from Qwen2/Llama's
+        rope_theta = float(rope.pop("rope_theta", text.get("rope_theta", 1e6 if vl else 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope.pop("type", None)
+        mrope_section = None
+        if vl:
+            # "mrope" is the older name of the default frequencies split into sections
+            mrope_section = tuple(rope.pop("mrope_section", (16, 24, 24)))
+            rope_type = "default" if rope_type == "mrope" else rope_type
         rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
 
-        n_heads = hf["num_attention_heads"]
+        n_heads = text["num_attention_heads"]
         cfg = dict(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
             num_heads=n_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim"),
+            num_kv_heads=text.get("num_key_value_heads") or n_heads,
+            head_dim=text.get("head_dim"),
             family=family,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5 if vl else 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", family == "qwen2")),
-            extra={k: v for k, v in hf.items() if k not in _INTERPRETED_KEYS},
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            # a pre-v5 nested file may keep tie_word_embeddings in text_config; transformers honours either
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False)),
+            qkv_bias=True if vl else bool(hf.get("attention_bias", family == "qwen2")),
+            extra={k: v for k, v in text.items() if k not in _INTERPRETED_KEYS},
         )
+        if vl:
+            cfg.update(vision=VisionConfig.from_hf_dict(hf.get("vision_config") or {}, hf),
+                       mrope_section=mrope_section)
         cfg.update(overrides)
         return cls(**cfg)
 
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict:
-        """The transformers `config.json` for this model."""
+        """The transformers `config.json` for this model (Qwen2.5-VL: the nested layout transformers 5 writes)."""
         arch = _FAMILY_TO_ARCH[self.family]
+        if self.family == "qwen2_5_vl":
+            return self._vl_hf_dict(torch_dtype)
         out = dict(self.extra)
         out.update(
             architectures=[arch],
@@ -200,3 +372,35 @@ class ModelConfig:
         else:
             out.update(use_sliding_window=False)
         return out
+
+    def _vl_hf_dict(self, torch_dtype: str) -> dict:
+        text = dict(self.extra)
+        text.update(
+            model_type="qwen2_5_vl_text",
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "mrope_section": list(self.mrope_section),
+                             "rope_theta": self.rope_theta},
+            max_position_embeddings=self.max_position_embeddings,
+            use_sliding_window=False,
+        )
+        v = self.vision
+        return dict(
+            architectures=[_FAMILY_TO_ARCH[self.family]],
+            model_type="qwen2_5_vl",
+            text_config=text,
+            vision_config=v.to_hf_dict(),
+            tie_word_embeddings=self.tie_word_embeddings,
+            image_token_id=v.image_token_id,
+            video_token_id=v.video_token_id,
+            vision_start_token_id=v.vision_start_token_id,
+            vision_end_token_id=v.vision_end_token_id,
+            dtype=torch_dtype,
+        )

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from agentfly_jax.models.lora import has_adapters, merge_lora
-from agentfly_jax.models.config import ModelConfig, as_dtype
+from agentfly_jax.models.config import ModelConfig, VisionConfig, as_dtype
+from agentfly_jax.models.qwen2_5_vl import Qwen2_5_VLCausalLM
 from agentfly_jax.models.transformer import CausalLM, ValueModel, init_params
 
 # Tensors a checkpoint may carry that carry no information for us (rotary caches written by old versions).
@@ -82,7 +83,55 @@ def _tensor_table(c: ModelConfig, value_model: bool = False):
                  ("score.bias", ("value_head", "bias"), (1,), _IDENTITY)]
     elif not c.tie_word_embeddings:
         rows.append(("lm_head.weight", ("lm_head", "kernel"), (v, e), _linear()))
+    if c.vision is not None:
+        rows += _vision_tensor_table(c.vision)
     return rows
+
+
+def _vision_tensor_table(vc: VisionConfig):
+    """Qwen2.5-VL's vision tower, in the names its released checkpoints (and transformers' save_pretrained) use."""
+    e, f, h, d, p = vc.hidden_size, vc.intermediate_size, vc.num_heads, vc.head_dim, vc.patch_dim
+    merged, out = e * vc.merge_unit, vc.out_hidden_size
+    conv_shape = (e, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+    # the patch embedding is a Conv3d whose stride equals its kernel: a linear map of each flattened patch
+    conv = (lambda w: w.reshape(e, p).T), (lambda k: k.T.reshape(conv_shape))
+    rows = [("visual.patch_embed.proj.weight", ("visual", "patch_embed", "kernel"), conv_shape, conv)]
+
+    def dense(hf, ours, n_out, n_in):
+        return [(hf + ".weight", ours + ("kernel",), (n_out, n_in), _linear()),
+                (hf + ".bias", ours + ("bias",), (n_out,), _IDENTITY)]
+
+    for i in range(vc.depth):
+        hf, ours = f"visual.blocks.{i}.", ("visual", f"blocks_{i}")
+        rows += [
+            (hf + "norm1.weight", ours + ("norm1", "scale"), (e,), _IDENTITY),
+            (hf + "norm2.weight", ours + ("norm2", "scale"), (e,), _IDENTITY),
+            (hf + "attn.qkv.weight", ours + ("attn", "qkv", "kernel"), (3 * e, e), _linear((3 * h, d))),
+            (hf + "attn.qkv.bias", ours + ("attn", "qkv", "bias"), (3 * e,), _reshape((3 * h, d))),
+        ]
+        rows += dense(hf + "attn.proj", ours + ("attn", "proj"), e, e)
+        rows += dense(hf + "mlp.gate_proj", ours + ("mlp", "gate_proj"), f, e)
+        rows += dense(hf + "mlp.up_proj", ours + ("mlp", "up_proj"), f, e)
+        rows += dense(hf + "mlp.down_proj", ours + ("mlp", "down_proj"), e, f)
+    rows.append(("visual.merger.ln_q.weight", ("visual", "merger", "ln_q", "scale"), (e,), _IDENTITY))
+    rows += dense("visual.merger.mlp.0", ("visual", "merger", "mlp_0"), merged, merged)
+    rows += dense("visual.merger.mlp.2", ("visual", "merger", "mlp_2"), out, merged)
+    return rows
+
+
+# transformers 5's in-memory names of Qwen2.5-VL tensors -> the checkpoint names of the table (both are read)
+_VL_RENAMES = ((re.compile(r"^model\.language_model\."), "model."), (re.compile(r"^model\.visual\."), "visual."))
+
+
+def _canonical_names(config: ModelConfig, tensors: dict) -> dict:
+    if config.vision is None:
+        return tensors
+    out = {}
+    for name, w in tensors.items():
+        for pattern, repl in _VL_RENAMES:
+            name = pattern.sub(repl, name)
+        out[name] = w
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -130,6 +179,7 @@ def hf_to_params(config: ModelConfig, tensors: dict, *, value_model: bool = Fals
     Raises naming the first missing tensor or shape mismatch; tensors not used are an error too (unless
     ignorable), so nothing is silently dropped. `allow_missing`: HF names that may be absent (returned absent).
     """
+    tensors = _canonical_names(config, tensors)
     flat, used = {}, set()
     for hf_name, path, shape, (to_ours, _) in _tensor_table(config, value_model):
         if hf_name not in tensors:
@@ -154,7 +204,8 @@ def hf_to_params(config: ModelConfig, tensors: dict, *, value_model: bool = Fals
 
 
 def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, **config_overrides):
-    """Loads a transformers Qwen2/Llama checkpoint directory -> (CausalLM, params).
+    """Loads a transformers Qwen2/Llama checkpoint directory -> (CausalLM, params); a Qwen2.5-VL one
+    (`Qwen2_5_VLForConditionalGeneration`) -> (Qwen2_5_VLCausalLM, params).
 
     `dtype` is the compute dtype; parameters are stored in `param_dtype` (default: `dtype`).
     Extra keyword arguments override ModelConfig fields (e.g. remat=True, attention_impl="cudnn").
@@ -163,7 +214,8 @@ def load_pretrained(path: str, dtype=jnp.float32, *, param_dtype=None, **config_
     config = ModelConfig.from_hf_dict(_read_config(path), dtype=dtype,
                                       param_dtype=as_dtype(param_dtype or dtype), **config_overrides)
     params = hf_to_params(config, read_hf_tensors(path), source=f"checkpoint {path!r}")
-    return CausalLM(config), params
+    model = Qwen2_5_VLCausalLM(config) if config.vision is not None else CausalLM(config)
+    return model, params
 
 
 def load_value_model(path: str, dtype=jnp.float32, *, param_dtype=None, seed: int = 0, **config_overrides):
@@ -172,6 +224,9 @@ def load_value_model(path: str, dtype=jnp.float32, *, param_dtype=None, seed: in
     dtype = as_dtype(dtype)
     config = ModelConfig.from_hf_dict(_read_config(path), dtype=dtype,
                                       param_dtype=as_dtype(param_dtype or dtype), **config_overrides)
+    if config.vision is not None:
+        raise ValueError(f"{path!r} is a vision-language checkpoint ({config.family}); value models are built "
+                         "on the text families only")
     model = ValueModel(config)
     tensors = read_hf_tensors(path)
     params = hf_to_params(config, tensors, value_model=True, source=f"checkpoint {path!r}",
@@ -208,8 +263,9 @@ def _dtype_name(dtype) -> str:
 
 def save_pretrained(model, params, path: str, *, dtype=None, max_shard_bytes: int = 4 << 30) -> None:
     """Writes config.json + safetensors (sharded with an index above `max_shard_bytes`) that transformers'
-    `AutoModelForCausalLM.from_pretrained` (or, for a ValueModel, `AutoModelForTokenClassification` with one
-    label) loads to the same outputs. `dtype`: storage dtype (default: the params' dtype)."""
+    `AutoModelForCausalLM.from_pretrained` (a ValueModel: `AutoModelForTokenClassification` with one label;
+    a Qwen2_5_VLCausalLM: `Qwen2_5_VLForConditionalGeneration`) loads to the same outputs. `dtype`: storage
+    dtype (default: the params' dtype)."""
     config: ModelConfig = model.config
     value_model = isinstance(model, ValueModel)
     dtype = as_dtype(dtype or config.param_dtype)

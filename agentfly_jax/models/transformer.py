@@ -56,9 +56,19 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.asarray(inv_freq, dtype=np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotates x [B, T, N, D] by positions [B, T] (half-split convention of HF Qwen2/Llama)."""
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+def apply_rope(x, positions, inv_freq, mrope_section=None):
+    """Rotates x [B, T, N, D] by positions [B, T] (half-split convention of HF Qwen2/Llama).
+
+    mRoPE (Qwen2-VL, `mrope_section` = three sizes summing to D/2): positions are [3, B, T] (temporal, height,
+    width) and frequency i turns with the axis whose section holds i. Equal positions on the three axes (text)
+    give the ordinary rotation.
+    """
+    if mrope_section is None:
+        freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    else:
+        axis_of_freq = np.repeat(np.arange(3), mrope_section)  # [D/2]
+        per_freq = jnp.moveaxis(positions, 0, -1)[..., axis_of_freq]  # [B, T, D/2]
+        freqs = per_freq.astype(jnp.float32) * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
@@ -225,7 +235,7 @@ class Attention(nn.Module):
         k = proj(c.num_kv_heads, "kv_heads", "k_proj")  # [B, T, K, D]
         v = proj(c.num_kv_heads, "kv_heads", "v_proj")
         inv_freq = jnp.asarray(rope_inv_freq(c))
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, positions, inv_freq, c.mrope_section), apply_rope(k, positions, inv_freq, c.mrope_section)
         q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
         out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
         return OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
@@ -279,8 +289,16 @@ class Decoder(nn.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        return self.from_embeddings(self.embed(input_ids), positions, segment_ids)
+
+    def embed(self, input_ids):
+        return self.embed_tokens(input_ids)
+
+    def from_embeddings(self, x, positions, segment_ids=None):
+        """The layers and final norm on input embeddings x [B, T, E] (a multimodal model merges image features
+        into them first); positions [B, T], or [3, B, T] with mRoPE."""
         mask = None if segment_ids is None else attention_mask(segment_ids)
-        x = _constrain(self.embed_tokens(input_ids), ("act_batch", "act_length", "act_embed"))
+        x = _constrain(x, ("act_batch", "act_length", "act_embed"))
         for layer in self.layers:
             x = layer(x, positions, mask)
         return self.norm(x)
