@@ -3,7 +3,14 @@
 `run_rollout(agent, tasks, num_chains, max_turns)` (what `agent.run` calls) starts one asyncio task per
 (task, chain). A chain samples a turn, runs that turn's tool calls concurrently, appends the observations
 and samples again, until a final answer, `max_turns`, the context limit, a cut-off turn or an error;
-then it is scored right away, overlapping the chains still running. Nothing is lock-stepped: a chain
+then it is scored right away, overlapping the chains still running. A prompt that leaves no room to sample
+under `max_context_tokens` (image tokens included) ends its chain before generation ("prompt_too_long",
+flagged as a chain error so that the trainer leaves it out).
+
+Images (vision-language policies): the prompt's and the observations' images are expanded to their vision
+tokens by the chain's ConversationEncoder (`agent.image_settings`), kept in order in `Trajectory.images`, and
+given to the backend with every generate call (`images=`, all of the prompt's so far); a backend takes them
+only when it sets `supports_images = True`, else the chain fails with a message saying so. Nothing is lock-stepped: a chain
 whose tools are slow delays only itself.
 
 Each chain holds a `ToolContext`: environments are acquired on first use and released when the chain
@@ -42,7 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "max_turns", "max_context", "length", "error", "cancelled")
+FINISH_REASONS = ("stop", "max_turns", "max_context", "prompt_too_long", "length", "error", "cancelled")
 # Row fields that give a task a stable group id (when they hold a non-negative int).
 GROUP_ID_FIELDS = ("group_id", "task_id", "id")
 
@@ -107,6 +114,7 @@ class RolloutStats:
     reward_failures: int = 0
     reward_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # by kind
     rewards_abandoned: int = 0  # timed-out rewards still running when given up on
+    prompts_too_long: int = 0  # chains whose prompt left no room to sample (also finish/prompt_too_long)
     reward_sum: float = 0.0
     rewarded: int = 0
     chain_errors: int = 0
@@ -230,6 +238,7 @@ def _record(result: ToolResult, turn: int) -> ToolCallRecord:
         observation=result.observation,
         error=None if result.ok else f"{result.error_kind}: {result.error}",
         latency_s=result.latency_s,
+        images=len(result.images),
     )
 
 
@@ -243,12 +252,18 @@ async def _chain_turns(
     progress: _Progress,
 ) -> None:
     encoder = ConversationEncoder(
-        agent.tokenizer, chat_template=agent.chat_template, cache=state.encoder_cache
+        agent.tokenizer,
+        chat_template=agent.chat_template,
+        cache=state.encoder_cache,
+        image_settings=agent.image_settings,
     )
     encoder.start(agent.build_messages(state.task), tools=agent.template_tools())
     state.encoder = encoder
     state.logprobs = [0.0] * len(encoder.token_ids)
     state.token_versions = [-1] * len(encoder.token_ids)
+    if len(encoder.token_ids) >= agent.max_context_tokens:
+        _prompt_too_long(agent, state, stats)
+        return
     for turn in range(max_turns):
         room = agent.max_context_tokens - len(encoder.token_ids)
         if room <= 0:
@@ -257,10 +272,13 @@ async def _chain_turns(
         max_tokens = min(agent.max_new_tokens, room)
         version = int(agent.backend.weight_version)
         started = time.perf_counter()
+        # images only when there are some: text-only agents may override generate() without the argument
+        images = {"images": list(encoder.images)} if encoder.images else {}
         completion = await agent.generate(
             list(encoder.token_ids),
             max_tokens=max_tokens,
             seed=chain_seed(seed, state.task_index, state.chain_index, turn),
+            **images,
         )
         elapsed = time.perf_counter() - started
         state.generation_latencies.append(elapsed)
@@ -344,17 +362,41 @@ async def _chain_turns(
     state.finish_reason = "max_turns"
 
 
+def _prompt_too_long(agent: BaseAgent, state: ChainState, stats: RolloutStats) -> None:
+    """End a chain whose prompt leaves no room to sample: finish reason "prompt_too_long", flagged as a chain
+    error (no episode was played: the trainer leaves it out), with a message saying what to change."""
+    encoder = state.encoder
+    image_tokens = sum(image.num_tokens for image in encoder.images)
+    state.finish_reason = "prompt_too_long"
+    state.error = (
+        f"the prompt has {len(encoder.token_ids)} tokens"
+        + (f" ({image_tokens} of them for its {len(encoder.images)} images)" if encoder.images else "")
+        + f", which leaves no room to sample under max_context_tokens={agent.max_context_tokens}: raise "
+        "max_context_tokens or shorten the prompt"
+        + (f" (an image takes up to max_pixels / {agent.image_settings.factor ** 2} tokens: lower max_pixels)"
+           if encoder.images else "")
+    )
+    state.flags.add(CHAIN_ERROR_FLAG)
+    stats.prompts_too_long += 1
+    log = logger.warning if stats.prompts_too_long == 1 else logger.debug
+    log("chain %s ends before sampling: %s", state.key, state.error)
+
+
 def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
     """The Trajectory of a chain as it stands (finished, failed or cancelled part-way)."""
     if state.encoder is not None:
         token_ids, action_mask = list(state.encoder.token_ids), list(state.encoder.action_mask)
         logprobs, token_versions = list(state.logprobs), list(state.token_versions)
         messages = list(state.encoder.messages)
+        images, image_starts = state.encoder.images, state.encoder.image_starts
     else:
         token_ids, action_mask = list(state.prompt_ids), [0] * len(state.prompt_ids)
         logprobs, messages = [0.0] * len(state.prompt_ids), None
         token_versions = [-1] * len(state.prompt_ids)
+        images, image_starts = [], []
     keep = state.keep_tokens if state.keep_tokens is not None else len(token_ids)
+    # an observation cut off with its tokens takes its images along (the cut is at a message boundary)
+    images = [image for image, start in zip(images, image_starts) if start < keep]
     # Staleness counts from the oldest sampled token; a chain that sampled nothing gets its turns' versions
     # (or the version served now).
     sampled_versions = list(itertools.compress(token_versions[:keep], action_mask[:keep]))
@@ -391,6 +433,7 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
         metrics=metrics,
         messages=messages,
         flags=set(state.flags),
+        images=images,
     )
 
 
@@ -430,7 +473,7 @@ async def _run_chain(
                     log = logger.warning if stats.chain_errors == 1 else logger.debug
                     log("chain %s failed: %s", state.key, state.error, exc_info=stats.chain_errors == 1)
                 trajectory = build_trajectory(state, int(agent.backend.weight_version))
-                if agent.reward_fn is not None and state.finish_reason != "error":
+                if agent.reward_fn is not None and CHAIN_ERROR_FLAG not in state.flags:
                     await _score(agent, state, trajectory, context, stats)
                 state.trajectory = trajectory
     except asyncio.CancelledError:
@@ -492,7 +535,9 @@ async def _wait_for_all(tasks: Sequence[asyncio.Task]) -> None:
 def _prompt_ids(agent: BaseAgent, task: Mapping[str, Any], index: int, cache: EncoderCache) -> list[int]:
     """The task's prompt ids, encoded once up front so a bad row fails before any rollout."""
     try:
-        encoder = ConversationEncoder(agent.tokenizer, chat_template=agent.chat_template, cache=cache)
+        encoder = ConversationEncoder(
+            agent.tokenizer, chat_template=agent.chat_template, cache=cache, image_settings=agent.image_settings
+        )
         return encoder.start(agent.build_messages(task), tools=agent.template_tools())
     except Exception as error:
         raise ValueError(f"tasks[{index}]: cannot build its prompt: {type(error).__name__}: {error}") from error

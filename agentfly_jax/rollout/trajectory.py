@@ -1,4 +1,9 @@
-"""The Trajectory: what one rollout chain hands to the trainer, and its conversion to batch arrays."""
+"""The Trajectory: what one rollout chain hands to the trainer, and its conversion to batch arrays.
+
+Vision-language chains also carry their images (`Trajectory.images`, `PreparedImage`s in order of appearance,
+one per run of `<|image_pad|>` ids); `images_to_batch` lays a batch's images out for the vision tower and
+`trajectories_to_batch` adds those arrays when any trajectory has images (a text-only batch is unchanged).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from agentfly_jax.rollout.images import PreparedImage
+
 # Unpacked batches are padded to a multiple of this, so jit sees a handful of sequence lengths.
 SEQUENCE_BUCKET = 64
+# A batch's image patches are padded to a power of two of at least this many, its images to a power of two of
+# at least IMAGE_BUCKET: jit sees a handful of vision-tower shapes.
+PATCH_BUCKET = 1024
+IMAGE_BUCKET = 8
 
 #: The flag of a chain the runtime could not finish (the backend failed, an environment raised, ...): not an
 #: episode the policy played out, so the trainer leaves it out of the batch (trainer/batch.py).
@@ -29,6 +40,7 @@ class ToolCallRecord:
     observation: str = ""
     error: str | None = None  # parse or execution error shown to the model instead of a result
     latency_s: float = 0.0
+    images: int = 0  # images the tool returned with its observation
 
 
 @dataclasses.dataclass
@@ -46,6 +58,8 @@ class Trajectory:
     derived from `token_versions` when not given and must agree with them when given. A trajectory without
     sampled tokens keeps the versions it is given (default 0, and policy_version_max = policy_version).
     `flags` names things that went wrong but did not stop the rollout (e.g. "reward_failed").
+    `images`: the chain's images in order of appearance (prompt and observations), each standing for one run of
+    `<|image_pad|>` ids in `token_ids` (`PreparedImage.num_tokens` of them); empty for a text-only chain.
     """
 
     token_ids: list[int]
@@ -64,6 +78,7 @@ class Trajectory:
     flags: set[str] = dataclasses.field(default_factory=set)
     token_versions: list[int] | None = None  # None: policy_version on sampled tokens, -1 elsewhere
     policy_version_max: int | None = None  # None: derived (the newest token version)
+    images: list[PreparedImage] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         # The checks below run at C speed on valid input (a rollout builds one Trajectory per chain, all at
@@ -128,6 +143,14 @@ class Trajectory:
             raise ValueError(
                 f"Trajectory.finish_reason must be a non-empty string, got {self.finish_reason!r}"
             )
+        if self.images:
+            self.images = list(self.images)
+            bad_image = _first(not isinstance(image, PreparedImage) for image in self.images)
+            if bad_image is not None:
+                raise ValueError(
+                    f"Trajectory.images[{bad_image}] is a {type(self.images[bad_image]).__name__}; images are "
+                    "PreparedImages (rollout.images.prepare_image)"
+                )
 
     def _check_versions(self) -> None:
         """Fills token_versions / policy_version / policy_version_max in and checks that they agree."""
@@ -216,7 +239,13 @@ def bucketed_length(length: int, bucket: int = SEQUENCE_BUCKET) -> int:
 
 
 def trajectories_to_batch(
-    trajectories: Sequence[Trajectory], *, pad_to: int | None = None, pad_id: int = 0
+    trajectories: Sequence[Trajectory],
+    *,
+    pad_to: int | None = None,
+    pad_id: int = 0,
+    pad_patches_to: int | None = None,
+    pad_images_to: int | None = None,
+    image_token_id: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Unpacked, right-padded batch arrays, one row per trajectory.
 
@@ -225,6 +254,9 @@ def trajectories_to_batch(
     `action_mask`, `sampler_logprobs` [N, T]; `rewards`, `group_ids`, `lengths` [N]; `policy_versions` [N] (each
     trajectory's oldest sampled-token version, what staleness is measured from) and `policy_versions_max` [N]
     (its newest).
+    When any trajectory has images, also `images_to_batch`'s arrays (`pixel_values`, `image_grid_thw`,
+    `image_rows`, `patch_image_ids`), padded as `pad_patches_to` / `pad_images_to` say; a text-only batch has
+    none of them.
     """
     if not trajectories:
         raise ValueError("trajectories_to_batch() got no trajectories")
@@ -254,7 +286,7 @@ def trajectories_to_batch(
         segment_ids[row, :length] = 1
         action_mask[row, :length] = trajectory.action_mask
         sampler_logprobs[row, :length] = trajectory.sampler_logprobs
-    return {
+    batch = {
         "tokens": tokens,
         "positions": positions,
         "segment_ids": segment_ids,
@@ -265,4 +297,89 @@ def trajectories_to_batch(
         "lengths": lengths,  # [N]
         "policy_versions": np.array([t.policy_version for t in trajectories], dtype=np.int32),  # [N]
         "policy_versions_max": np.array([t.policy_version_max for t in trajectories], dtype=np.int32),  # [N]
+    }
+    if any(trajectory.images for trajectory in trajectories):
+        batch.update(
+            images_to_batch(
+                trajectories,
+                pad_patches_to=pad_patches_to,
+                pad_images_to=pad_images_to,
+                image_token_id=image_token_id,
+            )
+        )
+    return batch
+
+
+def _power_of_two_at_least(count: int, smallest: int) -> int:
+    return max(smallest, 1 << max(count - 1, 0).bit_length())
+
+
+def images_to_batch(
+    trajectories: Sequence[Trajectory],
+    *,
+    pad_patches_to: int | None = None,
+    pad_images_to: int | None = None,
+    image_token_id: int | None = None,
+) -> dict[str, np.ndarray]:
+    """The vision-tower inputs of a batch: every image of row 0 in order of appearance, then row 1's, ...
+
+    Returns
+      `pixel_values` [P, 3 * temporal_patch_size * patch_size**2] float32: each image's patches
+        (`PreparedImage.pixel_values()`, the processor's), images one after another; zeros after the last one;
+      `image_grid_thw` [M, 3] int32: each image's (t, h, w) patch grid, in the same order; zeros for padding;
+      `image_rows` [M] int32: the batch row (trajectory) of each image, -1 for padding;
+      `patch_image_ids` [P] int32: the index (into image_grid_thw) of each patch's image, -1 on padding.
+    Row order is token order: the k-th `<|image_pad|>` id of `tokens` in row-major order is the k-th merged patch
+    (merge_size**2 consecutive patches) of `pixel_values`, so the vision tower's output fills the pad positions of
+    the whole batch in one scatter, as transformers' `masked_scatter` does.
+    P is `pad_patches_to`, or the total patch count rounded up to a power of two (at least PATCH_BUCKET); M is
+    `pad_images_to`, or the image count rounded up to a power of two (at least IMAGE_BUCKET).
+    `image_token_id`: when given, each row's count of that id must equal its images' tokens.
+    """
+    images = [(row, image) for row, trajectory in enumerate(trajectories) for image in trajectory.images]
+    if not images:
+        raise ValueError("images_to_batch() got trajectories without images")
+    geometry = {(image.patch_size, image.temporal_patch_size, image.merge_size) for _, image in images}
+    if len(geometry) > 1:
+        raise ValueError(
+            f"the batch's images have different patch geometries (patch, temporal, merge): {sorted(geometry)}; "
+            "prepare every image with the same ImageSettings"
+        )
+    if image_token_id is not None:
+        for row, trajectory in enumerate(trajectories):
+            expected = sum(image.num_tokens for image in trajectory.images)
+            found = trajectory.token_ids.count(image_token_id)
+            if found != expected:
+                raise ValueError(
+                    f"trajectory {row} has {found} image tokens (id {image_token_id}) but its "
+                    f"{len(trajectory.images)} images stand for {expected}: its images and tokens do not match"
+                )
+    total_patches = sum(image.num_patches for _, image in images)
+    patch_rows = pad_patches_to if pad_patches_to is not None else _power_of_two_at_least(total_patches, PATCH_BUCKET)
+    image_slots = pad_images_to if pad_images_to is not None else _power_of_two_at_least(len(images), IMAGE_BUCKET)
+    if total_patches > patch_rows:
+        raise ValueError(
+            f"the batch's images have {total_patches} patches, more than pad_patches_to={patch_rows}: raise it "
+            "or lower max_pixels"
+        )
+    if len(images) > image_slots:
+        raise ValueError(f"the batch has {len(images)} images, more than pad_images_to={image_slots}: raise it")
+    patch_size, temporal, _ = next(iter(geometry))
+    pixel_values = np.zeros((patch_rows, 3 * temporal * patch_size * patch_size), dtype=np.float32)  # [P, D]
+    patch_image_ids = np.full((patch_rows,), -1, dtype=np.int32)  # [P]
+    grid_thw = np.zeros((image_slots, 3), dtype=np.int32)  # [M, 3]
+    image_rows = np.full((image_slots,), -1, dtype=np.int32)  # [M]
+    start = 0
+    for index, (row, image) in enumerate(images):
+        end = start + image.num_patches
+        pixel_values[start:end] = image.pixel_values()
+        patch_image_ids[start:end] = index
+        grid_thw[index] = image.grid_thw
+        image_rows[index] = row
+        start = end
+    return {
+        "pixel_values": pixel_values,
+        "image_grid_thw": grid_thw,
+        "image_rows": image_rows,
+        "patch_image_ids": patch_image_ids,
     }

@@ -61,9 +61,12 @@ class FakeScriptedBackend(GenerationBackend):
     The returned ids are `tokenizer.encode(text) + [stop]`, truncated to max_tokens ("length") if longer.
     report_weight_version: set Completion.weight_version to the version current when the reply is made, and
       Completion.token_versions to that version for every token (the whole reply is "sampled" at once).
-    Records every call (prompt ids, max_tokens, seed), the peak number of calls in flight and every
-    update_weights call as (version, interrupt) in `weight_updates`.
+    Records every call (prompt ids, max_tokens, seed, images), the peak number of calls in flight and every
+    update_weights call as (version, interrupt) in `weight_updates`. Takes images (`supports_images`): the
+    script sees the prompt's text, the images are only recorded.
     """
+
+    supports_images = True
 
     def __init__(
         self,
@@ -99,11 +102,13 @@ class FakeScriptedBackend(GenerationBackend):
         stop_token_ids: Sequence[int] = (),
         n: int = 1,
         seed: int | None = None,
+        images: Sequence[Any] = (),
     ) -> list[Completion]:
         """The script's reply to this prompt as token ids + stop token, after the configured latency."""
         prompt = self._prompt(list(prompt_token_ids))
         self.calls.append(
-            {"prompt_ids": list(prompt_token_ids), "max_tokens": max_tokens, "seed": seed, "turn": prompt.turn}
+            {"prompt_ids": list(prompt_token_ids), "max_tokens": max_tokens, "seed": seed, "turn": prompt.turn,
+             "images": list(images)}
         )
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)

@@ -16,6 +16,7 @@ from typing import Any
 
 from agentfly_jax.rewards.decorator import Reward, as_reward
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+from agentfly_jax.rollout.images import ImageSettings, PreparedImage
 from agentfly_jax.rollout.templates import end_of_turn_ids, resolve_template
 from agentfly_jax.rollout.trajectory import Trajectory
 from agentfly_jax.tools.context import EnvironmentProvider
@@ -51,6 +52,9 @@ class BaseAgent(abc.ABC):
         DEFAULT_REWARD_TIMEOUT_S, 300; `math.inf`: no limit); past it the chain scores 0.0 (`timeout`).
       parallel_tool_calls: run the tool calls of one turn concurrently (True) or one after another.
       stop_token_ids: tokens that end a turn (default: the tokenizer's end-of-turn tokens).
+      min_pixels, max_pixels: the pixel range images (in prompts and tool observations) are resized into for a
+        vision-language policy (None: the Qwen2-VL processor's 56*56 and 28*28*1280); an image takes
+        pixels / 784 tokens, so max_pixels bounds what one image costs of max_context_tokens.
     """
 
     #: role of the messages that carry tool results back to the model
@@ -78,6 +82,8 @@ class BaseAgent(abc.ABC):
         parallel_tool_calls: bool = True,
         stop_token_ids: Sequence[int] | None = None,
         reward_timeout: float | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
     ):
         for name, value in (
             ("max_turns", max_turns),
@@ -111,6 +117,9 @@ class BaseAgent(abc.ABC):
         self.reward_timeout = reward_timeout
         self.max_observation_chars = max_observation_chars
         self.parallel_tool_calls = parallel_tool_calls
+        pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+        #: how images are sized and cut into patches (see rollout.images)
+        self.image_settings = ImageSettings(**{name: value for name, value in pixels.items() if value is not None})
         #: rollout-level counters of the last `run` (chains, turns, tool calls and errors, envs, wall time)
         self.last_run_stats: dict[str, float] = {}
 
@@ -176,11 +185,32 @@ class BaseAgent(abc.ABC):
         return not parsed.tool_calls and not parsed.errors
 
     def observation_messages(self, results: Sequence[ToolResult]) -> list[Message]:
-        """The messages that carry one turn's tool results back to the model, in call order."""
-        return [{"role": self.observation_role, "content": result.observation} for result in results]
+        """The messages that carry one turn's tool results back to the model, in call order (a result with images
+        as its content parts)."""
+        return [{"role": self.observation_role, "content": result.content} for result in results]
 
-    async def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, seed: int | None) -> Completion:
-        """Sample one assistant turn continuing `prompt_token_ids` (ends at a stop token or `max_tokens`)."""
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        seed: int | None,
+        images: Sequence[PreparedImage] = (),
+    ) -> Completion:
+        """Sample one assistant turn continuing `prompt_token_ids` (ends at a stop token or `max_tokens`).
+
+        `images`: the prompt's images in order (one per run of `<|image_pad|>` ids), for a vision-language
+        policy; passed on to backends that set `supports_images = True`, refused otherwise.
+        """
+        extra = {}
+        if images:
+            if not getattr(self.backend, "supports_images", False):
+                raise RuntimeError(
+                    f"the prompt holds {len(images)} images but the backend {type(self.backend).__name__} does not "
+                    "take images (it does not set supports_images = True): sampling would ignore them. Use a "
+                    "backend that serves a vision-language model with its images"
+                )
+            extra["images"] = list(images)
         completions = await self.backend.generate(
             prompt_token_ids,
             max_tokens=max_tokens,
@@ -190,6 +220,7 @@ class BaseAgent(abc.ABC):
             stop_token_ids=self.stop_token_ids,
             n=1,
             seed=seed,
+            **extra,
         )
         if len(completions) != 1:
             raise RuntimeError(f"backend returned {len(completions)} completions for n=1")

@@ -52,6 +52,12 @@ class ReactAgent(BaseAgent):
         return parse_react(text)
 
     def observation_messages(self, results: Sequence[ToolResult]) -> list[Message]:
-        """One user message with an `Observation:` line per tool result."""
-        content = "\n".join(f"Observation: {result.observation}" for result in results)
-        return [{"role": self.observation_role, "content": content}]
+        """One user message with an `Observation:` line per tool result (followed by its images, if any)."""
+        if not any(result.parts for result in results):
+            content = "\n".join(f"Observation: {result.observation}" for result in results)
+            return [{"role": self.observation_role, "content": content}]
+        parts: list[dict] = []
+        for index, result in enumerate(results):
+            parts.append({"type": "text", "text": ("\n" if index else "") + f"Observation: {result.observation}"})
+            parts.extend(part for part in result.parts or () if part["type"] == "image")
+        return [{"role": self.observation_role, "content": parts}]
