@@ -3,15 +3,15 @@
 `run_rollout(agent, tasks, num_chains, max_turns)` (what `agent.run` calls) starts one asyncio task per
 (task, chain). A chain samples a turn, runs that turn's tool calls concurrently, appends the observations
 and samples again, until a final answer, `max_turns`, the context limit, a cut-off turn or an error;
-then it is scored right away, overlapping the chains still running. A prompt that leaves no room to sample
-under `max_context_tokens` (image tokens included) ends its chain before generation ("prompt_too_long",
-flagged as a chain error so that the trainer leaves it out).
+then it is scored right away, overlapping the chains still running. Nothing is lock-stepped: a chain
+whose tools are slow delays only itself. A prompt that leaves no room to sample under `max_context_tokens`
+(image tokens included) ends its chain before generation ("prompt_too_long", flagged as a chain error so
+that the trainer leaves it out).
 
 Images (vision-language policies): the prompt's and the observations' images are expanded to their vision
 tokens by the chain's ConversationEncoder (`agent.image_settings`), kept in order in `Trajectory.images`, and
 given to the backend with every generate call (`images=`, all of the prompt's so far); a backend takes them
-only when it sets `supports_images = True`, else the chain fails with a message saying so. Nothing is lock-stepped: a chain
-whose tools are slow delays only itself.
+only when it sets `supports_images = True`, else the chain fails with a message saying so.
 
 Each chain holds a `ToolContext`: environments are acquired on first use and released when the chain
 ends for any reason, including cancellation (a Ctrl-C, a deadline, the caller cancelling `run`).

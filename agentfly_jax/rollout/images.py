@@ -160,36 +160,37 @@ def _decode(data: bytes, max_input_pixels: int, what: str):
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     if not data:
-        raise ImageError(f"{what} hold no image data (empty)")
+        raise ImageError(f"{what}: no image data (empty)")
     try:
         with warnings.catch_warnings():
             # the cap below is the guard; PIL's own warning for large images would only repeat it
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as error:
-        raise ImageError(f"{what} claim too many pixels to decode safely ({error})") from error
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        raise ImageError(
-            f"{what} are not an image PIL can read (corrupt data or an unsupported format): {error}"
-        ) from error
+        raise ImageError(f"{what}: the image claims too many pixels to decode safely ({error})") from error
+    except UnidentifiedImageError as error:
+        raise ImageError(f"{what}: not an image PIL can read (corrupt data or an unsupported format)") from error
+    except (OSError, SyntaxError, ValueError) as error:
+        raise ImageError(f"{what}: not an image PIL can read ({type(error).__name__}: {error})") from error
     _check_size(image.width, image.height, max_input_pixels, what)
     try:
         image.load()
         image = ImageOps.exif_transpose(image)  # as transformers' load_image: files are shown upright
-    except Exception as error:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, ... for bad data
+    except Exception as error:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
         raise ImageError(
-            f"{what} cannot be decoded (truncated or corrupt image data): {type(error).__name__}: {error}"
+            f"{what}: cannot be decoded (truncated or corrupt image data): {type(error).__name__}: {error}"
         ) from error
     return _to_rgb(image, max_input_pixels, what)
 
 
 def _check_size(width: int, height: int, max_input_pixels: int, what: str) -> None:
     if width <= 0 or height <= 0:
-        raise ImageError(f"{what} is empty ({width}x{height} pixels): an image needs at least one pixel")
+        raise ImageError(f"{what}: the image is empty ({width}x{height} pixels); it needs at least one pixel")
     if width * height > max_input_pixels:
         raise ImageError(
-            f"{what} has {width}x{height} = {width * height} pixels, more than the cap of {max_input_pixels}: "
-            "downscale it first (it is resized to at most max_pixels anyway) or raise max_input_pixels"
+            f"{what}: the image is {width}x{height} = {width * height} pixels, more than the cap of "
+            f"{max_input_pixels}: downscale it first (it is resized to at most max_pixels anyway) or raise "
+            "max_input_pixels"
         )
 
 
@@ -198,9 +199,9 @@ def _to_rgb(image, max_input_pixels: int, what: str):
     _check_size(image.width, image.height, max_input_pixels, what)
     try:
         image.load()  # a lazily opened image decodes here
-    except Exception as error:  # noqa: BLE001 - see _decode
+    except Exception as error:  # see _decode
         raise ImageError(
-            f"{what} cannot be decoded (truncated or corrupt image data): {type(error).__name__}: {error}"
+            f"{what}: cannot be decoded (truncated or corrupt image data): {type(error).__name__}: {error}"
         ) from error
     if image.mode == "RGB":
         return image
@@ -208,16 +209,16 @@ def _to_rgb(image, max_input_pixels: int, what: str):
         low, high = image.getextrema()
         if low < 0 or high > 255:
             raise ImageError(
-                f"{what} is in mode {image.mode!r} with values from {low} to {high}; converting it to RGB (as "
-                "transformers does) would clip them to 0..255: scale it to 8 bits yourself (e.g. mode 'L' or "
-                "'RGB') with the mapping you intend"
+                f"{what}: the image is in mode {image.mode!r} with values from {low} to {high}; converting it to "
+                "RGB (as transformers does) would clip them to 0..255: scale it to 8 bits yourself (e.g. mode 'L' "
+                "or 'RGB') with the mapping you intend"
             )
     try:
         return image.convert("RGB")
     except ValueError as error:
         raise ImageError(
-            f"{what} is in mode {image.mode!r}, which PIL cannot convert to RGB ({error}): convert it to 'RGB' "
-            "or 'RGBA' first"
+            f"{what}: the image is in mode {image.mode!r}, which PIL cannot convert to RGB ({error}): convert it "
+            "to 'RGB' or 'RGBA' first"
         ) from error
 
 
@@ -236,7 +237,7 @@ def _array_to_pil(array: np.ndarray):
             f"{tuple(array.shape)}{hint}"
         )
     if array.shape[0] == 0 or array.shape[1] == 0:
-        raise ImageError(f"the array is empty ({array.shape[1]}x{array.shape[0]} pixels)")
+        raise ImageError(f"the array: the image is empty ({array.shape[1]}x{array.shape[0]} pixels)")
     if np.issubdtype(array.dtype, np.floating):
         if not np.isfinite(array).all():
             raise ImageError("the image array holds NaN or infinite values: give finite floats in [0, 1]")
@@ -337,7 +338,7 @@ class PreparedImage:
     Two PreparedImages are equal when their pixels and geometry are.
     """
 
-    __slots__ = ("pixels", "patch_size", "temporal_patch_size", "merge_size")
+    __slots__ = ("merge_size", "patch_size", "pixels", "temporal_patch_size")
 
     def __init__(self, pixels: np.ndarray, *, patch_size: int = 14, temporal_patch_size: int = 2,
                  merge_size: int = 2):

@@ -696,7 +696,7 @@ def _loaded_parts(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             loaded.append({"type": "image", "image": load_image(part)})
         except ImageError as error:
             raise _BadImage(index, str(error)) from error
-        except Exception as error:  # noqa: BLE001 - whatever a strange image object raises is shown, not raised
+        except Exception as error:  # whatever a strange image object raises is shown, not raised
             raise _BadImage(index, f"{type(error).__name__}: {_text_of(error)}") from error
     return loaded
 
