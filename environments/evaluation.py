@@ -117,14 +117,17 @@ class ScriptedBackend(GenerationBackend):
 
     Works with `ScriptedAgent` only (it sets up each chain's script). Every sampled token gets logprob 0
     (the script is deterministic); a turn longer than `max_tokens` is cut there (finish_reason "length").
+    Takes prompts with images (`supports_images`) and ignores them: a script decides from its task row.
     """
+
+    supports_images = True
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.turns = 0
 
     async def generate(self, prompt_token_ids, *, max_tokens, temperature=1.0, top_p=1.0, top_k=-1,
-                       stop_token_ids=(), n=1, seed=None) -> list[Completion]:
+                       stop_token_ids=(), n=1, seed=None, images=()) -> list[Completion]:
         script = _CHAIN_SCRIPT.get()
         if script is None:
             raise RuntimeError(

@@ -8,7 +8,7 @@ enlarged from a canvas finer than that image, which is how the tiny shapes can b
 
 - `environments.visual_scenes.scenes`: the scene description, `generate_scene`, `render_image`, `render_canvas`;
 - `environments.visual_scenes.questions`: question types, `answer_query` (answers from the description),
-  `relevant_tiny_objects` (what needs zooming), `glance_answer` (the answer without zooming);
+  `tiny_objects_to_zoom` (what needs zooming), `glance_answer` (the answer without zooming);
 - `environments.visual_scenes.tasks`: task rows by split (disjoint seed blocks), `SceneImages`;
 - `environments.visual_scenes.tools`: the `zoom` tool; `environments.visual_scenes.reward`: `visual_scene_answer`;
 - `env_spec(**options)`: the EnvSpec (entry point `visual_scenes`), with oracle / random scripted agents and
@@ -19,7 +19,7 @@ from environments.visual_scenes.questions import (
     QUESTION_TYPES,
     answer_query,
     glance_answer,
-    relevant_tiny_objects,
+    tiny_objects_to_zoom,
 )
 from environments.visual_scenes.reward import normalize_answer, visual_scene_answer
 from environments.visual_scenes.scenes import COLORS, SHAPES, generate_scene, render_canvas, render_image
@@ -56,11 +56,11 @@ __all__ = [
     "normalize_answer",
     "oracle_policy",
     "random_policy",
-    "relevant_tiny_objects",
     "render_canvas",
     "render_image",
     "scene_seed",
     "system_prompt",
+    "tiny_objects_to_zoom",
     "visual_scene_answer",
     "zoom",
     "zoom_image",

@@ -16,21 +16,21 @@ Answers are a number in digits, a colour name (`scenes.COLORS`), a shape name (`
 (`ANSWER_TYPES`). Questions are only asked when their answer is unambiguous: a position names the centre of an
 object (boxes never overlap); a relation names two objects whose colour and shape are each unique in the scene
 (and whose colour no other tiny object has) and whose boxes are fully apart along that axis (no "roughly left
-of"); "largest" needs one object with at
-least `LARGEST_MARGIN` times the area of any other.
+of"); "largest" needs one object with at least `LARGEST_MARGIN` times the area of any other.
 
 What the image shows at a glance: every object's colour and position, and the shape of every object but the
-tiny ones, which are coloured smudges (`scenes.TINY_SIZES`). `relevant_tiny_objects(scene, query)`: the tiny
-objects whose shape the answer depends on (another shape changes the answer, or makes the question ambiguous).
-A question needs the zoom tool when there is one: the oracle zooms on exactly those, and `glance_answer` is
-what an agent answers without zooming.
+tiny ones, which are coloured smudges (`scenes.TINY_SIZES`). `tiny_objects_to_zoom(scene, query)`: the fewest
+tiny objects whose shapes, once seen, settle the answer whatever the shapes of the other tiny objects are. A
+question needs the zoom tool when that set is not empty: the oracle zooms on exactly those objects, and
+`glance_answer` (the answer with every tiny shape guessed) is right for every question that does not.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from environments.visual_scenes.scenes import COLORS, SHAPES, area, box, is_tiny
@@ -214,26 +214,42 @@ def draw_query(scene: Mapping[str, Any], rng: random.Random, types: tuple[str, .
 
 
 # ------------------------------------------------------------------------------------------------ zooming
-def relevant_tiny_objects(scene: Mapping[str, Any], query: Mapping[str, Any]) -> list[int]:
-    """Indices of the tiny objects whose shape the answer depends on: with some other shape, the answer
-    changes or the question becomes ambiguous (e.g. a tiny red shape next to "the red circle")."""
+#: The most tiny objects a scene may hold: `tiny_objects_to_zoom` tries every shape of every tiny object.
+MAX_TINY = 4
+
+
+def _settled(scene: Mapping[str, Any], query: Mapping[str, Any], unknown: Sequence[int], answer: str) -> bool:
+    """Whether the answer stays `answer` for every assignment of shapes to the objects `unknown`."""
+    objects = list(scene["objects"])
+    for shapes in itertools.product(SHAPES, repeat=len(unknown)):
+        changed = list(objects)
+        for index, shape in zip(unknown, shapes):
+            changed[index] = {**objects[index], "shape": shape}
+        if answer_query({**scene, "objects": changed}, query) != answer:
+            return False
+    return True
+
+
+def tiny_objects_to_zoom(scene: Mapping[str, Any], query: Mapping[str, Any]) -> list[int]:
+    """Indices of the fewest tiny objects whose shapes settle the answer: with their true shapes known, every
+    shape of the other tiny objects gives the same answer (an ambiguous question counts as another answer, e.g.
+    a tiny red smudge next to "the red circle"). Empty when the answer is settled at a glance; among sets of
+    the same size, the first in index order."""
+    tiny = [index for index, item in enumerate(scene["objects"]) if is_tiny(item)]
+    if len(tiny) > MAX_TINY:
+        raise ValueError(f"the scene holds {len(tiny)} tiny objects; at most {MAX_TINY} are supported")
     answer = answer_query(scene, query)
-    relevant = []
-    for index, item in enumerate(scene["objects"]):
-        if not is_tiny(item):
-            continue
-        for shape in SHAPES:
-            variant = {**item, "shape": shape}
-            changed = {**scene, "objects": [variant if i == index else o for i, o in enumerate(scene["objects"])]}
-            if answer_query(changed, query) != answer:
-                relevant.append(index)
-                break
-    return relevant
+    for count in range(len(tiny) + 1):
+        for seen in itertools.combinations(tiny, count):
+            if _settled(scene, query, [index for index in tiny if index not in seen], answer):
+                return list(seen)
+    raise AssertionError("with every tiny shape known the answer is settled")
 
 
 def glance_answer(scene: Mapping[str, Any], query: Mapping[str, Any], rng: random.Random) -> str:
     """What an agent answers from the image alone, without zooming: it sees every object's colour, but the
-    shape of a tiny object is a guess. The right answer when no tiny shape matters; often wrong otherwise."""
+    shape of a tiny object is a guess. The right answer when `tiny_objects_to_zoom` is empty; often wrong
+    otherwise."""
     guessed = copy.deepcopy(dict(scene))
     for item in guessed["objects"]:
         if is_tiny(item):

@@ -8,7 +8,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from environments.visual_scenes.questions import QUESTION_TYPES, glance_answer
+from environments.visual_scenes.questions import MAX_TINY, QUESTION_TYPES, glance_answer
 from environments.visual_scenes.scenes import COLORS, SHAPES
 from environments.visual_scenes.tasks import SEED_SPAN, SPLITS, first_user_message, generate_split
 from environments.visual_scenes.tools import MIN_REGION, zoom
@@ -91,7 +91,7 @@ def env_spec(*, image_size: int = 224, detail: int = 4, num_objects: Sequence[in
 
     image_size: side of the square image the agent is shown (pixels); detail: canvas pixels per image pixel
     the zoom tool crops from; num_objects / num_tiny / num_distractors: [min, max] shapes per scene, how many
-    of them tiny (5-7 pixels, need zooming) and grey specks; question_types: a subset of
+    of them tiny (5-7 pixels, need zooming; at most 4) and grey specks; question_types: a subset of
     `questions.QUESTION_TYPES`; train_size / dev_size / test_size: rows of each split (`num <= 0` asks for all;
     the splits draw from disjoint scene seeds); max_turns: assistant turns per chain (zooms + the answer).
     """
@@ -119,6 +119,9 @@ def env_spec(*, image_size: int = 224, detail: int = 4, num_objects: Sequence[in
         if not 1 <= size < SEED_SPAN:
             raise ValueError(f"{split}_size={size}; expected 1 to {SEED_SPAN - 1} rows")
     most_tiny = options["num_tiny"][1]
+    if most_tiny > MAX_TINY:
+        raise ValueError(f"num_tiny={list(num_tiny)}; at most {MAX_TINY} tiny shapes per scene are supported "
+                         "(every combination of their shapes is checked to find what needs zooming)")
     if max_turns < most_tiny + 1:
         raise ValueError(f"max_turns={max_turns}; a scene may hold {most_tiny} tiny shapes to zoom on, so give at "
                          f"least {most_tiny + 1} turns (a zoom per tiny shape, then the answer)")

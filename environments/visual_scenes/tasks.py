@@ -13,8 +13,9 @@ Row fields:
   `query` (the question as data, `environments.visual_scenes.questions`);
 - `scene` (the JSON-able scene description the zoom tool draws from, `environments.visual_scenes.scenes`),
   `scene_seed`, `id`;
-- `needs_zoom` and `zoom_regions`: whether the answer depends on the shape of a tiny object, and one
-  region [x0, y0, x1, y1] around each such object (what the oracle zooms on).
+- `needs_zoom` and `zoom_regions`: whether the answer depends on the shapes of tiny objects, and one region
+  [x0, y0, x1, y1] around each of the fewest tiny objects whose shapes settle it (what the oracle zooms on;
+  `questions.tiny_objects_to_zoom`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from environments.visual_scenes.questions import (
     answer_type,
     draw_query,
     question_text,
-    relevant_tiny_objects,
+    tiny_objects_to_zoom,
 )
 from environments.visual_scenes.scenes import generate_scene, render_image
 
@@ -102,7 +103,7 @@ def make_row(split: str, seed: int, index: int, *, image_size: int, detail: int,
     scene = generate_scene(rng, width=image_size, height=image_size, detail=detail, num_objects=num_objects,
                            num_tiny=num_tiny, num_distractors=num_distractors)
     query = draw_query(scene, rng, question_types)
-    relevant = relevant_tiny_objects(scene, query)
+    to_zoom = tiny_objects_to_zoom(scene, query)
     return {
         "id": f"visual_scenes-{split}-{seed}-{index}",
         "question": question_text(query),
@@ -113,8 +114,8 @@ def make_row(split: str, seed: int, index: int, *, image_size: int, detail: int,
         "query": query,
         "scene": scene,
         "scene_seed": row_seed,
-        "needs_zoom": bool(relevant),
-        "zoom_regions": [zoom_region(scene["objects"][i], image_size, image_size) for i in relevant],
+        "needs_zoom": bool(to_zoom),
+        "zoom_regions": [zoom_region(scene["objects"][i], image_size, image_size) for i in to_zoom],
     }
 
 
