@@ -7,8 +7,8 @@ deterministic and prefix-stable (the first `n` rows are the same for any larger 
 Row fields:
 - `question`: the question text (what the user message says next to the image);
 - `images`: the pictures the first user message shows, before the question: a `SceneImages`, a sequence of
-  one PIL RGB image rendered each time it is read (rows stay a few hundred bytes, not 150 KB, and compare by
-  value); `first_user_message(row)` builds the message;
+  one PIL RGB image rendered when read (rows stay a few hundred bytes, not 150 KB, and compare by value);
+  `first_user_message(row)` builds the message;
 - `answer` (exact short answer), `answer_type` ("number", "color", "shape", "yes/no"), `question_type`,
   `query` (the question as data, `environments.visual_scenes.questions`);
 - `scene` (the JSON-able scene description the zoom tool draws from, `environments.visual_scenes.scenes`),
@@ -21,6 +21,7 @@ Row fields:
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,11 +54,20 @@ def scene_seed(split: str, seed: int, index: int) -> int:
 class SceneImages(Sequence):
     """The images of a row's first user message: one PIL RGB image of the scene, rendered when read.
 
-    A read-only sequence (len 1; iterate or index it); equal when the scenes are equal. Rendering takes a
-    few milliseconds, so nothing is cached and a row holds only its scene description."""
+    A read-only sequence (len 1; iterate or index it); equal when the scenes are equal. A row holds only its
+    scene description and a weak reference to the last image rendered: while anything still holds that image
+    (e.g. a rollout's encoder cache, which prepares a prompt image once per object for all of a task's
+    chains), reading it again gives the same object; otherwise it is rendered again (a few milliseconds)."""
 
     def __init__(self, scene: Mapping[str, Any]):
         self.scene = scene
+        self._last: weakref.ref | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"scene": self.scene}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.scene, self._last = state["scene"], None
 
     def __len__(self) -> int:
         return 1
@@ -67,7 +77,11 @@ class SceneImages(Sequence):
             return [self[i] for i in range(*index.indices(1))]
         if index not in (0, -1):
             raise IndexError(f"a scene has one image; index {index} is out of range")
-        return render_image(self.scene)
+        image = self._last() if self._last is not None else None
+        if image is None:
+            image = render_image(self.scene)
+            self._last = weakref.ref(image)
+        return image
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SceneImages) and self.scene == other.scene

@@ -4,6 +4,7 @@ the zoom tool against PIL crops and through the tool pipeline, the reward's norm
 agents through the real rollout, and the SFT demonstrations rendered by the qwen2.5 template."""
 
 import asyncio
+import gc
 import json
 import pickle
 import random
@@ -186,6 +187,12 @@ def test_image_rows_and_first_message(rows):
     with pytest.raises(IndexError):
         images[1]
     assert pickle.loads(pickle.dumps(images)) == images
+    held = images[0]
+    assert images[0] is held  # one object while it is held: an encoder cache prepares it once for all chains
+    pixels = np.asarray(held).copy()
+    del held
+    gc.collect()
+    assert np.array_equal(np.asarray(images[0]), pixels)  # rendered again, the same pixels
     view = render_image(row["scene"])
     canvas = render_canvas(row["scene"])
     assert canvas.size == (224 * 4, 224 * 4)
