@@ -41,7 +41,7 @@ ANSWER_TYPES = {"count": "number", "exists": "yes/no", "color_at": "color", "sha
 RELATIONS = {"left of": "to the left of", "right of": "to the right of", "above": "above", "below": "below"}
 #: The largest object's area is at least this many times any other's when "largest" is asked.
 LARGEST_MARGIN = 1.3
-#: Share of object-targeted questions aimed at a tiny object (a tiny one.s shape needs zooming, its colour not).
+#: Share of object-targeted questions aimed at a tiny object (a tiny one's shape needs zooming, its colour not).
 TINY_TARGET_SHARE = 0.6
 
 
