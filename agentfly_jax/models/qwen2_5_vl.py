@@ -198,6 +198,17 @@ def _text_positions(input_ids, segment_ids):
     return jnp.broadcast_to(positions[None], (3, b, t))
 
 
+def _as_mrope(positions, batch_shape):
+    """positions [3, B, T], or [B, T] broadcast to the three axes (text), checked against [B, T]."""
+    positions = jnp.asarray(positions)
+    if positions.ndim == 2:
+        positions = jnp.broadcast_to(positions[None], (3, *positions.shape))
+    if positions.shape != (3, *batch_shape):
+        raise ValueError(f"positions must be [3, B, T] (or [B, T]) for a batch of shape {tuple(batch_shape)}, got "
+                         f"{positions.shape}")
+    return positions
+
+
 def _host(x):
     """x as a numpy array, or None when it is traced (inside jit)."""
     if x is None:
@@ -381,25 +392,20 @@ class Qwen2_5_VLCausalLM(nn.Module):
 
     def _positions(self, input_ids, positions, segment_ids, pixel_values, image_grid_thw):
         if positions is not None:
-            positions = jnp.asarray(positions)
-            if positions.ndim == 2:
-                positions = jnp.broadcast_to(positions[None], (3, *positions.shape))
-            if positions.shape != (3, *input_ids.shape):
-                raise ValueError(f"positions must be [3, B, T] (or [B, T]) for input_ids {input_ids.shape}, got "
-                                 f"{positions.shape}")
-            return positions
+            return _as_mrope(positions, input_ids.shape)
         ids, grid, segs = _host(input_ids), _host(image_grid_thw), _host(segment_ids)
         concrete = ids is not None and (segment_ids is None or segs is not None)
         if concrete and (pixel_values is None or grid is not None):
             return jnp.asarray(mrope_positions(self.config, ids, grid, segs))
         if pixel_values is None:
             return _text_positions(input_ids, segment_ids)
-        raise ValueError("with images inside jit, pass positions=mrope_positions(config, input_ids, image_grid_thw, "
-                         "segment_ids) computed on the host")
+        raise ValueError("positions=None with images needs concrete input_ids and image_grid_thw; inside jit (or "
+                         "with vision_layout alone) pass positions=mrope_positions(config, input_ids, "
+                         "image_grid_thw, segment_ids) computed on the host")
 
     def hidden_from_embeddings(self, embeddings, positions, segment_ids=None):
-        """Final hidden states [B, T, E] of input embeddings [B, T, E] at positions [3, B, T]."""
-        return self.model.from_embeddings(embeddings, positions, segment_ids)
+        """Final hidden states [B, T, E] of input embeddings [B, T, E] at positions [3, B, T] (or [B, T])."""
+        return self.model.from_embeddings(embeddings, _as_mrope(positions, embeddings.shape[:2]), segment_ids)
 
     def hidden_states(self, input_ids, positions=None, segment_ids=None, *, pixel_values=None, image_grid_thw=None,
                       vision_layout=None):

@@ -404,8 +404,12 @@ def test_bad_inputs_raise_clear_errors(checkpoint, images):
         vision_layout(model.config.vision, grid, num_patches=pv.shape[0] + 2)
     with pytest.raises(ValueError, match="videos are not supported"):
         mrope_positions(model.config, np.array([[5, VIDEO, 6]]))
-    with pytest.raises(ValueError, match="inside jit"):
+    with pytest.raises(ValueError, match="inside jit"):  # positions
         jax.jit(lambda p, i, x, g: model.apply({"params": p}, i, pixel_values=x, image_grid_thw=g))(
+            params, jnp.asarray(ids), jnp.asarray(pv), jnp.asarray(grid))
+    with pytest.raises(ValueError, match="pass vision_layout"):  # the grid
+        jax.jit(lambda p, i, x, g: model.apply({"params": p}, i, mrope_positions(model.config, ids, grid),
+                                               pixel_values=x, image_grid_thw=g))(
             params, jnp.asarray(ids), jnp.asarray(pv), jnp.asarray(grid))
     with pytest.raises(ValueError, match="pixel_values must be"):
         _ours(model, params, ids, pv[:, :100], grid, eager=True)
