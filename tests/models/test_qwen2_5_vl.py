@@ -23,6 +23,7 @@ from agentfly_jax.models import (
     save_pretrained,
     vision_layout,
 )
+from agentfly_jax.models import sharding as shd
 
 TOL = 1e-4
 IMAGE, VIDEO, START, END = 290, 291, 292, 293
@@ -325,6 +326,30 @@ def test_hidden_states_and_embed_compose_to_logits(checkpoint, images):
     np.testing.assert_allclose(np.asarray(embeds[0])[is_image], np.asarray(features), atol=1e-5, rtol=0)
     hidden2 = run(Qwen2_5_VLCausalLM.hidden_from_embeddings, embeds, positions)
     np.testing.assert_allclose(np.asarray(hidden2), np.asarray(hidden), atol=1e-5, rtol=0)
+
+
+def test_sharded_forward_equals_single_device(checkpoint, images):
+    """The vision tower's parameters carry logical axis names too: sharded by the default rules on a mesh of
+    the 8 fake CPU devices, the model computes the same logits."""
+    _, _, model, params = checkpoint
+    names = ["a", "c", "c", "a"]  # one image a row; 4 rows: the batch splits over fsdp
+    rows = [_conversation(images, [n], seed=16 + i) for i, n in enumerate(names)]
+    ids = np.full((4, max(map(len, rows))), 2, np.int64)
+    segments = np.zeros(ids.shape, np.int32)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)], segments[r, :len(row)] = row, 1
+    pv, grid = _vision_inputs(images, names)
+    reference = _ours(model, params, ids, pv, grid, segment_ids=segments)
+    mesh = shd.make_mesh({"fsdp": 4, "tensor": 2})
+    sharded = shd.shard_params(model, params, mesh)
+    gate = sharded["visual"]["blocks_0"]["mlp"]["gate_proj"]["kernel"]  # [32, 48]: split over fsdp x tensor
+    assert gate.addressable_shards[0].data.size == gate.size // 8
+    positions = mrope_positions(model.config, ids, grid, segments)
+    put = lambda x: jax.device_put(x, shd.batch_sharding(mesh, ndim=x.ndim))  # noqa: E731
+    with jax.set_mesh(mesh), shd.axis_rules():
+        out = jax.jit(model.apply)({"params": sharded}, put(ids), positions, put(segments), pixel_values=pv,
+                                   vision_layout=vision_layout(model.config.vision, grid))
+    np.testing.assert_allclose(np.asarray(out), reference, atol=1e-5, rtol=0)
 
 
 def test_save_pretrained_round_trip_through_transformers(checkpoint, images, tmp_path):
