@@ -335,7 +335,7 @@ def build_agent(cfg: TrainConfig, setup: TaskSetup, backend, tokenizer, env_prov
                    max_new_tokens=a.max_new_tokens, max_context_tokens=a.max_context_tokens,
                    temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, parallel_tool_calls=a.parallel_tool_calls,
                    tool_timeout=a.tool_timeout, reward_timeout=a.reward_timeout, max_concurrency=a.max_concurrency,
-                   stop_token_ids=a.stop_token_ids)
+                   stop_token_ids=a.stop_token_ids, min_pixels=a.min_pixels, max_pixels=a.max_pixels)
     return cls(backend, tokenizer, tools=setup.tools, reward_fn=setup.reward, chat_template=cfg.chat_template or None,
                system_prompt=system_prompt, env_provider=env_provider, **options)
 

@@ -134,6 +134,10 @@ class AgentSection:
     reward_timeout: float | None = knob(None, lambda v: v is None or v > 0, "None or positive seconds")
     max_concurrency: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn tokens
+    # vision-language policies: the pixel range images are resized into (None: the Qwen2-VL processor's 56*56 and
+    # 28*28*1280); an image takes pixels / 784 tokens of max_context_tokens
+    min_pixels: int | None = knob(None, lambda v: v is None or v >= 1, "None or >= 1")
+    max_pixels: int | None = knob(None, lambda v: v is None or v >= 1, "None or >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
