@@ -20,10 +20,9 @@ from agentfly_jax.rollout.images import PreparedImage
 
 # Unpacked batches are padded to a multiple of this, so jit sees a handful of sequence lengths.
 SEQUENCE_BUCKET = 64
-# A batch's image patches are padded to a power of two of at least this many, its images to a power of two of
-# at least IMAGE_BUCKET: jit sees a handful of vision-tower shapes.
+# A batch's image patches are padded to a power of two of at least this many: jit sees a handful of vision-tower
+# shapes (the grids themselves stay on the host: the model's vision_layout / mrope_positions read them there).
 PATCH_BUCKET = 1024
-IMAGE_BUCKET = 8
 
 #: The flag of a chain the runtime could not finish (the backend failed, an environment raised, ...): not an
 #: episode the policy played out, so the trainer leaves it out of the batch (trainer/batch.py).
@@ -244,7 +243,6 @@ def trajectories_to_batch(
     pad_to: int | None = None,
     pad_id: int = 0,
     pad_patches_to: int | None = None,
-    pad_images_to: int | None = None,
     image_token_id: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Unpacked, right-padded batch arrays, one row per trajectory.
@@ -255,8 +253,7 @@ def trajectories_to_batch(
     trajectory's oldest sampled-token version, what staleness is measured from) and `policy_versions_max` [N]
     (its newest).
     When any trajectory has images, also `images_to_batch`'s arrays (`pixel_values`, `image_grid_thw`,
-    `image_rows`, `patch_image_ids`), padded as `pad_patches_to` / `pad_images_to` say; a text-only batch has
-    none of them.
+    `image_rows`, `patch_image_ids`; patches padded as `pad_patches_to` says); a text-only batch has none of them.
     """
     if not trajectories:
         raise ValueError("trajectories_to_batch() got no trajectories")
@@ -300,12 +297,7 @@ def trajectories_to_batch(
     }
     if any(trajectory.images for trajectory in trajectories):
         batch.update(
-            images_to_batch(
-                trajectories,
-                pad_patches_to=pad_patches_to,
-                pad_images_to=pad_images_to,
-                image_token_id=image_token_id,
-            )
+            images_to_batch(trajectories, pad_patches_to=pad_patches_to, image_token_id=image_token_id)
         )
     return batch
 
@@ -318,23 +310,24 @@ def images_to_batch(
     trajectories: Sequence[Trajectory],
     *,
     pad_patches_to: int | None = None,
-    pad_images_to: int | None = None,
     image_token_id: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The vision-tower inputs of a batch: every image of row 0 in order of appearance, then row 1's, ...
 
-    Returns
+    Returns, for the batch's I images and P patch rows:
       `pixel_values` [P, 3 * temporal_patch_size * patch_size**2] float32: each image's patches
-        (`PreparedImage.pixel_values()`, the processor's), images one after another; zeros after the last one;
-      `image_grid_thw` [M, 3] int32: each image's (t, h, w) patch grid, in the same order; zeros for padding;
-      `image_rows` [M] int32: the batch row (trajectory) of each image, -1 for padding;
+        (`PreparedImage.pixel_values()`, the processor's), images one after another; rows of zeros after the last
+        one (the padding `models.qwen2_5_vl.pad_patches` makes);
+      `image_grid_thw` [I, 3] int32: each image's (t, h, w) patch grid, in the same order (the model's
+        `vision_layout(config.vision, grid, P)` and `mrope_positions` read it on the host);
+      `image_rows` [I] int32: the batch row (trajectory) of each image;
       `patch_image_ids` [P] int32: the index (into image_grid_thw) of each patch's image, -1 on padding.
     Row order is token order: the k-th `<|image_pad|>` id of `tokens` in row-major order is the k-th merged patch
     (merge_size**2 consecutive patches) of `pixel_values`, so the vision tower's output fills the pad positions of
     the whole batch in one scatter, as transformers' `masked_scatter` does.
-    P is `pad_patches_to`, or the total patch count rounded up to a power of two (at least PATCH_BUCKET); M is
-    `pad_images_to`, or the image count rounded up to a power of two (at least IMAGE_BUCKET).
-    `image_token_id`: when given, each row's count of that id must equal its images' tokens.
+    P is `pad_patches_to` (a multiple of merge_size**2), or the total patch count rounded up to a power of two
+    (at least PATCH_BUCKET). `image_token_id`: when given, each row's count of that id must equal its images'
+    tokens.
     """
     images = [(row, image) for row, trajectory in enumerate(trajectories) for image in trajectory.images]
     if not images:
@@ -354,21 +347,18 @@ def images_to_batch(
                     f"trajectory {row} has {found} image tokens (id {image_token_id}) but its "
                     f"{len(trajectory.images)} images stand for {expected}: its images and tokens do not match"
                 )
+    patch_size, temporal, merge = next(iter(geometry))
     total_patches = sum(image.num_patches for _, image in images)
     patch_rows = pad_patches_to if pad_patches_to is not None else _power_of_two_at_least(total_patches, PATCH_BUCKET)
-    image_slots = pad_images_to if pad_images_to is not None else _power_of_two_at_least(len(images), IMAGE_BUCKET)
-    if total_patches > patch_rows:
+    if total_patches > patch_rows or patch_rows % (merge * merge):
         raise ValueError(
-            f"the batch's images have {total_patches} patches, more than pad_patches_to={patch_rows}: raise it "
-            "or lower max_pixels"
+            f"pad_patches_to={patch_rows} must be at least the batch's {total_patches} patches and a multiple of "
+            f"merge_size**2={merge * merge}: raise it, or lower max_pixels"
         )
-    if len(images) > image_slots:
-        raise ValueError(f"the batch has {len(images)} images, more than pad_images_to={image_slots}: raise it")
-    patch_size, temporal, _ = next(iter(geometry))
     pixel_values = np.zeros((patch_rows, 3 * temporal * patch_size * patch_size), dtype=np.float32)  # [P, D]
     patch_image_ids = np.full((patch_rows,), -1, dtype=np.int32)  # [P]
-    grid_thw = np.zeros((image_slots, 3), dtype=np.int32)  # [M, 3]
-    image_rows = np.full((image_slots,), -1, dtype=np.int32)  # [M]
+    grid_thw = np.zeros((len(images), 3), dtype=np.int32)  # [I, 3]
+    image_rows = np.zeros((len(images),), dtype=np.int32)  # [I]
     start = 0
     for index, (row, image) in enumerate(images):
         end = start + image.num_patches

@@ -571,9 +571,9 @@ def test_batch_lays_out_every_image_in_row_and_token_order(qwen_tokenizer, hf_pr
     images = [image for trajectory in trajectories for image in trajectory.images]
     total = sum(image.num_patches for image in images)
     assert len(images) == 4 and batch["pixel_values"].shape == (1024, 1176) and total <= 1024
-    assert batch["image_grid_thw"].shape == (8, 3) and batch["image_rows"].tolist() == [0, 0, 2, 2, -1, -1, -1, -1]
-    assert batch["image_grid_thw"][:4].tolist() == [list(image.grid_thw) for image in images]
-    assert not batch["image_grid_thw"][4:].any() and not batch["pixel_values"][total:].any()
+    assert batch["image_rows"].tolist() == [0, 0, 2, 2]
+    assert batch["image_grid_thw"].tolist() == [list(image.grid_thw) for image in images]
+    assert not batch["pixel_values"][total:].any()
     expected_ids = np.repeat(np.arange(4), [image.num_patches for image in images])
     assert batch["patch_image_ids"][:total].tolist() == expected_ids.tolist()
     assert (batch["patch_image_ids"][total:] == -1).all()
@@ -583,7 +583,7 @@ def test_batch_lays_out_every_image_in_row_and_token_order(qwen_tokenizer, hf_pr
         [copy.deepcopy(trajectories[0].messages), copy.deepcopy(trajectories[2].messages)], tools=[look.schema],
         tokenize=True, return_dict=True, return_tensors="np", processor_kwargs={"padding": True})
     assert np.abs(batch["pixel_values"][:total] - reference["pixel_values"]).max() <= 1e-6
-    assert batch["image_grid_thw"][:4].tolist() == reference["image_grid_thw"].tolist()
+    assert batch["image_grid_thw"].tolist() == reference["image_grid_thw"].tolist()
 
     # The k-th <|image_pad|> in row-major order is the k-th merge window of patches: scattering per-window
     # features through the pad positions puts each image's windows on its own pads, in order.
@@ -592,6 +592,14 @@ def test_batch_lays_out_every_image_in_row_and_token_order(qwen_tokenizer, hf_pr
     assert len(pad_rows) == len(window_image)
     assert np.array_equal(batch["image_rows"][window_image], pad_rows)
 
+    # The model's host-side layout takes the batch as it is: real patches get their frames, padding none.
+    from agentfly_jax.models.config import VisionConfig
+    from agentfly_jax.models.qwen2_5_vl import vision_layout
+
+    layout = vision_layout(VisionConfig(), batch["image_grid_thw"], batch["pixel_values"].shape[0])
+    assert np.array_equal(layout.full_segments > 0, batch["patch_image_ids"] >= 0)
+    assert np.array_equal(layout.full_segments[:total] - 1, batch["patch_image_ids"][:total])
+
     # Text keys are what they always were; a text-only batch has no pixel keys at all.
     text_batch = trajectories_to_batch([text_only])
     assert set(text_batch) == TEXT_KEYS and set(batch) == TEXT_KEYS | {
@@ -599,12 +607,11 @@ def test_batch_lays_out_every_image_in_row_and_token_order(qwen_tokenizer, hf_pr
     for key in TEXT_KEYS - {"tokens", "positions", "segment_ids", "action_mask", "sampler_logprobs"}:
         assert batch[key].shape == (3,)
 
-    fixed = images_to_batch(trajectories, pad_patches_to=total, pad_images_to=4)
-    assert fixed["pixel_values"].shape == (total, 1176) and (fixed["image_rows"] >= 0).all()
-    with pytest.raises(ValueError, match=f"{total} patches, more than pad_patches_to={total - 1}"):
-        images_to_batch(trajectories, pad_patches_to=total - 1)
-    with pytest.raises(ValueError, match="4 images, more than pad_images_to=3"):
-        images_to_batch(trajectories, pad_images_to=3)
+    fixed = images_to_batch(trajectories, pad_patches_to=total)
+    assert fixed["pixel_values"].shape == (total, 1176) and (fixed["patch_image_ids"] >= 0).all()
+    for bad in (total - 4, total + 2):
+        with pytest.raises(ValueError, match=f"pad_patches_to={bad} must be at least the batch's {total} patches"):
+            images_to_batch(trajectories, pad_patches_to=bad)
     with pytest.raises(ValueError, match="trajectory 0 has .* image tokens \\(id 151654\\)"):
         images_to_batch(trajectories, image_token_id=151654)
     with pytest.raises(ValueError, match="got trajectories without images"):
