@@ -22,7 +22,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 from transformers.processing_utils import ProcessorMixin
 
-from agentfly_jax.rollout.agents import ToolCallingAgent
+from agentfly_jax.rollout.agents import ReactAgent, ToolCallingAgent
 from agentfly_jax.rollout.chat_templates import QWEN2_5_JINJA
 from agentfly_jax.rollout.images import (
     ImageError,
@@ -507,6 +507,22 @@ def test_tool_images_become_content_parts_and_bad_ones_bad_image_observations():
         assert result.observation.startswith("Error: tool 'look' returned an image that cannot be used " + message)
     result = call_look("bad_text")
     assert result.error_kind == "tool_exception" and "text part without a string 'text'" in result.error
+
+
+def test_agents_put_tool_images_in_their_observation_messages(qwen_tokenizer):
+    with_image, failed = call_look("pil"), call_look("corrupt")
+    backend = FakeScriptedBackend(qwen_tokenizer, scripted(["hi"]))
+    tool_calling = ToolCallingAgent(backend, qwen_tokenizer, tools=[look], chat_template="qwen2.5")
+    assert tool_calling.observation_messages([with_image, failed]) == [
+        {"role": "tool", "content": with_image.parts}, {"role": "tool", "content": failed.observation}]
+    react = ReactAgent(backend, qwen_tokenizer, tools=[look], chat_template="qwen2.5")
+    [message] = react.observation_messages([failed, with_image])
+    assert message["content"] == [
+        {"type": "text", "text": "Observation: " + failed.observation},
+        {"type": "text", "text": "\nObservation: a grey box"},
+        {"type": "image", "image": with_image.images[0]},
+    ]
+    assert react.observation_messages([failed]) == [{"role": "user", "content": "Observation: " + failed.observation}]
 
 
 # --------------------------------------------------------------------------------------------------
