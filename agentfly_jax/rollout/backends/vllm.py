@@ -28,6 +28,25 @@ with exponential backoff, then `VLLMServerError` names the server(s) and the las
 timeout, so no coroutine waits forever on a lost server. Failures are counted in `stats` and per server, and
 logged.
 
+Images (a vision-language policy, e.g. Qwen2.5-VL; `supports_images`): `generate(prompt, ..., images=[PreparedImage,
+...])` takes all of the prompt's images in order, one per run of `<|image_pad|>` ids, as the chain passes them.
+vLLM 0.32's /v1/completions takes no images with a token prompt, so such a request goes to vLLM's token-in/token-out
+endpoint `/inference/v1/generate` (registered by `--enable-scale-out`, which scripts/start_vllm.sh passes for a
+vision-language model directory) with `token_ids` and `content_parts` [{"type": "image_url", "url": "data:image/png;
+base64,..."}]: each image travels as a lossless PNG of its resized pixels (`PreparedImage.pixels`, 8-bit RGB, what
+our own pixel values are computed from). vLLM's Qwen2-VL processor expands every `<|image_pad|>` of a token prompt
+to the image's token count (it replaces each single pad, so an expanded run would be expanded again): the request
+carries each image's run collapsed to one pad, and the server answers with the prompt ids it built
+(`return_token_ids`). They must equal our prompt, id for id, else the request fails with `VLLMServerError` (the
+server's image processor gave an image another grid: its preprocessor_config.json must admit the agent's
+min_pixels/max_pixels). So the model sees exactly our ids. The pixels: an image that is already a multiple of 28 on
+each side and within the processor's pixel range is not resized again (smart_resize keeps its size and a same-size
+resize is the identity, in PIL and torchvision alike), and the server's rescale and normalisation are the
+arithmetic of `PreparedImage.pixel_values()` (tests/backends/test_vllm_images.py compares tokens and logprobs with
+our Flax model on our own pixel values). Whether the served model takes images: `multimodal=` (default: whether
+`model` is a vision-language model, i.e. `model.config.vision` is set); a backend that does not serve one refuses
+images before sending anything. Prompts without images go to /v1/completions as before, on any model.
+
 Weight sync (`update_weights(params, version, interrupt=...)`): new `generate` calls wait (in this client) while
 an update runs; then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
 were computed with the old weights and would otherwise be reused for matching prompt prefixes), `POST /resume`.
@@ -71,6 +90,7 @@ import asyncio
 import base64
 import collections
 import dataclasses
+import io
 import logging
 import os
 import re
@@ -83,6 +103,7 @@ from typing import Any
 
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+from agentfly_jax.rollout.images import PreparedImage
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +161,23 @@ class _Attempt:
 
 
 # Engine request ids of an OpenAI completion request with `request_id` R in vLLM: "cmpl-R-0-<suffix>" (n=1) or
-# "<i>_cmpl-R-0-<suffix>" for choice i of n > 1 (the -0 is the prompt's index within the request).
-_ENGINE_ID = re.compile(r"(?:(?P<index>\d+)_)?cmpl-(?P<request>[0-9a-f]{32})-0(?:-.*)?")
+# "<i>_cmpl-R-0-<suffix>" for choice i of n > 1 (the -0 is the prompt's index within the request); of a
+# /inference/v1/generate request (prompts with images): "[<i>_]generate-tokens-R-<suffix>".
+_ENGINE_ID = re.compile(r"(?:(?P<index>\d+)_)?(?:cmpl-(?P<request>[0-9a-f]{32})-0|"
+                        r"generate-tokens-(?P<generate>[0-9a-f]{32}))(?:-.*)?")
+
+_GENERATE_PATH = "/inference/v1/generate"
+_QWEN_IMAGE_PAD = 151655  # <|image_pad|> of the Qwen2-VL / Qwen2.5-VL tokenizers
+
+
+def _image_part(image: PreparedImage) -> dict:
+    """A `content_parts` entry carrying `image.pixels` as a lossless PNG data URL (8-bit RGB, the resized pixels
+    our pixel values are computed from; compression level 1: fast, and still lossless)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image.pixels).save(buffer, format="PNG", compress_level=1)
+    return {"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")}
 
 
 class VLLMBackend(GenerationBackend):
@@ -157,6 +193,9 @@ class VLLMBackend(GenerationBackend):
     a failed server is avoided for down_time seconds (doubling per consecutive failure) while others are up.
     keepalive_timeout: seconds an idle pooled connection is kept (below the servers' own keep-alive, 5 s in vLLM).
     owned_servers: servers this backend was started with (e.g. a `LocalVLLMServers`); `close()` stops them.
+    multimodal: whether the servers serve a vision-language model that takes images with the prompt (sets
+    `supports_images`); default: whether `model` is one (`model.config.vision` is set), False without `model`.
+    image_token_id: the `<|image_pad|>` id (default: `model.config.vision.image_token_id`, else Qwen2-VL's 151655).
     """
 
     def __init__(self, urls: str | Sequence[str], model=None, *, served_model_name: str | None = None,
@@ -164,7 +203,7 @@ class VLLMBackend(GenerationBackend):
                  max_retries: int = 3, retry_backoff: float = 0.5, max_backoff: float = 8.0,
                  down_time: float = 5.0, max_connections: int = 256, sync_dtype=None, weight_sync: str = "memory",
                  weight_dir: str | None = None, chunk_bytes: int = 256 << 20, owned_servers=None,
-                 keepalive_timeout: float = 2.0):
+                 keepalive_timeout: float = 2.0, multimodal: bool | None = None, image_token_id: int | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("VLLMBackend needs at least one server URL")
@@ -185,6 +224,11 @@ class VLLMBackend(GenerationBackend):
         self.chunk_bytes = int(chunk_bytes)
         self.owned_servers = owned_servers
         self.keepalive_timeout = float(keepalive_timeout)
+        vision = getattr(getattr(model, "config", None), "vision", None)
+        self.supports_images = bool(vision is not None if multimodal is None else multimodal)
+        if image_token_id is None:
+            image_token_id = vision.image_token_id if vision is not None else _QWEN_IMAGE_PAD
+        self.image_token_id = int(image_token_id)
         self.weight_version = 0
         self.stats: collections.Counter = collections.Counter()
         self._session = None
@@ -220,9 +264,10 @@ class VLLMBackend(GenerationBackend):
         return self._session
 
     async def _call(self, server: _Server, method: str, path: str, body: Any = None, *,
-                    timeout: float | None = None) -> Any:
+                    timeout: float | None = None, hints: dict[int, str] | None = None) -> Any:
         """One HTTP call; returns the JSON answer (None when empty). Raises _RetryableError for a connection
-        failure, timeout or 5xx; ValueError naming the server for a rejected (4xx) request."""
+        failure, timeout or 5xx; ValueError naming the server for a rejected (4xx) request, with `hints[status]`
+        (what to do) appended when given."""
         import aiohttp
 
         session = self._loop_state()
@@ -234,8 +279,9 @@ class VLLMBackend(GenerationBackend):
                 if resp.status >= 500:
                     raise _RetryableError(f"HTTP {resp.status}: {text[:500]}")
                 if resp.status >= 400:
+                    hint = (hints or {}).get(resp.status)
                     raise ValueError(f"vLLM server {server.url} rejected {method} {path}: HTTP {resp.status}: "
-                                     f"{text[:1000]}")
+                                     f"{text[:1000]}" + (f"; {hint}" if hint else ""))
                 return None if not text else await resp.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
             raise _RetryableError(f"{type(exc).__name__}: {exc}") from exc
@@ -312,13 +358,21 @@ class VLLMBackend(GenerationBackend):
     # ---------------------------------------------------------------------------------------- generation
     async def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (), n: int = 1,
-                       seed: int | None = None) -> list[Completion]:
-        """Samples `n` continuations on the least-loaded server; see the module docstring for conventions."""
+                       seed: int | None = None, images: Sequence[PreparedImage] = ()) -> list[Completion]:
+        """Samples `n` continuations on the least-loaded server; see the module docstring for conventions.
+
+        images: the prompt's images in order (`PreparedImage`), one per run of `<|image_pad|>` ids, for a
+        vision-language model (`supports_images`); refused, before anything is sent, by a backend that does not
+        serve one."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("prompt_token_ids is empty; a prompt needs at least one token")
         if max_tokens < 1 or n < 1:
             raise ValueError(f"max_tokens and n must be >= 1, got max_tokens={max_tokens}, n={n}")
+        images = list(images or ())
+        if images:
+            request_prompt = self._collapse_image_runs(prompt, images)
+            content_parts = await asyncio.to_thread(lambda: [_image_part(image) for image in images])
         self._loop_state()
         self.stats["requests"] += 1
 
@@ -328,13 +382,23 @@ class VLLMBackend(GenerationBackend):
             if limit < 1:
                 raise ValueError(f"prompt of {len(prompt)} tokens leaves no room in vLLM server {server.url}'s "
                                  f"max_model_len={info['max_model_len']}")
-            body = {"model": info["model"], "prompt": prompt, "max_tokens": min(int(max_tokens), limit),
-                    "temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k) if top_k > 0
-                    else -1, "n": int(n), "stop_token_ids": [int(t) for t in stop_token_ids], "ignore_eos": True,
-                    "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-                    "skip_special_tokens": False}
+            sampling = {"max_tokens": min(int(max_tokens), limit), "temperature": float(temperature),
+                        "top_p": float(top_p), "top_k": int(top_k) if top_k > 0 else -1, "n": int(n),
+                        "stop_token_ids": [int(t) for t in stop_token_ids], "ignore_eos": True, "logprobs": 0}
             if seed is not None:
-                body["seed"] = int(seed)
+                sampling["seed"] = int(seed)
+            if images:
+                path, hints = _GENERATE_PATH, {404: "the server does not expose vLLM's token-in/token-out endpoint, "
+                                                    "which prompts with images need: start it with "
+                                                    "--enable-scale-out (scripts/start_vllm.sh passes it for a "
+                                                    "vision-language model directory)"}
+                body = {"model": info["model"], "token_ids": request_prompt, "content_parts": content_parts,
+                        "sampling_params": {**sampling, "detokenize": False}, "return_token_ids": True,
+                        "output_mode": "tokens"}
+            else:
+                path, hints = "/v1/completions", None
+                body = {"model": info["model"], "prompt": prompt, **sampling, "return_token_ids": True,
+                        "return_tokens_as_token_ids": True, "skip_special_tokens": False}
             while not self._ready.is_set():  # no attempt (retries included) starts during a weight update
                 await self._ready.wait()
             # from here to the request's registration nothing awaits: an update that starts later sees it
@@ -343,12 +407,80 @@ class VLLMBackend(GenerationBackend):
             body["request_id"] = record.request_id
             self._attempts[record.request_id] = record
             try:
-                answer = await self._call(server, "POST", "/v1/completions", body)
+                answer = await self._call(server, "POST", path, body, hints=hints)
             finally:
                 del self._attempts[record.request_id]
+            if images:
+                self._check_server_prompt(server, answer, prompt, images)
             return self._parse(server, answer, record)
 
         return await self._with_retries("generate", attempt, weight=n)
+
+    def _collapse_image_runs(self, prompt: list[int], images: list) -> list[int]:
+        """`prompt` with each image's run of `<|image_pad|>` ids cut to one pad, which the server's processor expands
+        again (to the count of its own grid, checked against ours by `_check_server_prompt`). Raises ValueError
+        when the backend takes no images or the images do not match the prompt's pads, run by run."""
+        if not self.supports_images:
+            raise ValueError(
+                f"the prompt holds {len(images)} image(s) but this VLLMBackend does not serve a vision-language "
+                "model (supports_images is False): nothing was sent. Build it with the Qwen2.5-VL policy as `model` "
+                "(or multimodal=True) for servers that serve one, or send the prompt without images")
+        vision = getattr(getattr(self.model, "config", None), "vision", None)
+        for i, image in enumerate(images):
+            if not isinstance(image, PreparedImage):
+                raise TypeError(f"images[{i}] is a {type(image).__name__}; VLLMBackend takes PreparedImage "
+                                "(agentfly_jax.rollout.images.prepare_image)")
+            geometry = (image.patch_size, image.temporal_patch_size, image.merge_size)
+            if vision is not None and geometry != (vision.patch_size, vision.temporal_patch_size,
+                                                   vision.spatial_merge_size):
+                raise ValueError(f"images[{i}] is cut into patches of (patch_size, temporal_patch_size, merge_size)"
+                                 f" = {geometry} but the model's vision tower takes ({vision.patch_size}, "
+                                 f"{vision.temporal_patch_size}, {vision.spatial_merge_size}); prepare the images "
+                                 "with ImageSettings matching the model's vision config")
+        pad, out, index, position = self.image_token_id, [], 0, 0
+        while position < len(prompt):
+            if prompt[position] != pad:
+                out.append(prompt[position])
+                position += 1
+                continue
+            if index == len(images):
+                raise ValueError(f"the prompt has more image pad tokens (id {pad}) than its {len(images)} image(s) "
+                                 f"take ({[im.num_tokens for im in images]}); pass all of the prompt's images, in "
+                                 "order")
+            need = images[index].num_tokens
+            run = prompt[position:position + need]
+            if len(run) != need or any(token != pad for token in run):
+                have = next((k for k, token in enumerate(run) if token != pad), len(run))
+                raise ValueError(f"image {index} ({images[index]!r}) takes {need} image pad tokens (id {pad}) but "
+                                 f"its run in the prompt, at position {position}, has {have}; pass all of the "
+                                 "prompt's images, in order, prepared with the settings the prompt was encoded with")
+            out.append(pad)
+            position += need
+            index += 1
+        if index != len(images):
+            raise ValueError(f"the prompt has image pad runs for {index} image(s) but {len(images)} were given; "
+                             "pass exactly the prompt's images, in order")
+        return out
+
+    def _check_server_prompt(self, server: _Server, answer: dict, prompt: list[int], images: list) -> None:
+        """The prompt ids the server built from our collapsed prompt and the images must be ours, id for id."""
+        built = (answer or {}).get("prompt_token_ids")
+        if built is not None and [int(t) for t in built] == prompt:
+            return
+        ours = [image.num_tokens for image in images]
+        theirs = [int(p.get("length", 0)) for p in ((answer or {}).get("mm_placeholders") or {}).get("image", [])]
+        if built is None:
+            detail = "did not return the prompt ids it built (return_token_ids); is it vLLM >= 0.32?"
+        elif theirs != ours:
+            detail = (f"expanded the images to {theirs} image tokens where ours take {ours}: its image processor "
+                      "sized them differently. Its preprocessor_config.json (min_pixels/max_pixels) must admit "
+                      "every size the agent's ImageSettings produce (config.agent.min_pixels/max_pixels)")
+        else:
+            first = next((i for i, (a, b) in enumerate(zip(built, prompt)) if int(a) != b), min(len(built), len(prompt)))
+            detail = (f"built a prompt of {len(built)} ids that differs from ours ({len(prompt)} ids) from position "
+                      f"{first} on")
+        raise VLLMServerError(f"vLLM server {server.url} {detail}; the completion was dropped (the model did not "
+                              "see our prompt)", [server.url])
 
     @staticmethod
     def _parse(server: _Server, answer: dict, record: _Attempt) -> list[Completion]:
@@ -360,7 +492,11 @@ class VLLMBackend(GenerationBackend):
         out = []
         for index, choice in enumerate(choices):
             token_ids = choice.get("token_ids")
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            logprobs = choice.get("logprobs") or {}
+            if "content" in logprobs:  # /inference/v1/generate: one entry per sampled token
+                logprobs = [entry.get("logprob") for entry in logprobs["content"] or ()]
+            else:  # /v1/completions
+                logprobs = logprobs.get("token_logprobs")
             if token_ids is None or logprobs is None or len(token_ids) != len(logprobs) or None in logprobs:
                 raise VLLMServerError(
                     f"vLLM server {server.url} returned no token ids or logprobs (token_ids={token_ids!r:.200}, "
@@ -494,8 +630,9 @@ class VLLMBackend(GenerationBackend):
         out: dict[str, dict[int, int]] = {}
         for engine_id, count in ((results[0] if results else {}).get("lengths") or {}).items():
             match = _ENGINE_ID.fullmatch(engine_id)
-            if match and match["request"] in self._attempts:
-                out.setdefault(match["request"], {})[int(match["index"] or 0)] = int(count)
+            request = match and (match["request"] or match["generate"])
+            if request in self._attempts:
+                out.setdefault(request, {})[int(match["index"] or 0)] = int(count)
         return out
 
     def _record_swap(self, server: _Server, version: int, lengths: dict | None, interrupt: bool):

@@ -13,7 +13,7 @@ module name `agentfly_vllm_worker_ext`). `VLLMBackend` drives it:
 or, for models too large to push through HTTP, `RELOAD_FROM_PATH` with a directory written by save_pretrained.
 `/collective_rpc` passes only JSON values, so payloads are base64 text and numbers travel as strings.
 
-Tied word embeddings (Qwen2.5-0.5B, the test models): vLLM 0.32's in-place reload loads `embed_tokens` but
+Tied word embeddings (Qwen2.5-0.5B, Qwen2.5-VL-3B, the test models): vLLM 0.32's in-place reload loads `embed_tokens` but
 finds no checkpoint tensor for `lm_head` (the loader skips it when tied) and puts the OLD lm_head weight back,
 silently untying the two; on CPU the lm_head's prepacked GEMM weights stay stale as well. After every reload we
 tie lm_head to the new embedding again and redo its post-load processing (`_retie_word_embeddings`).
@@ -88,6 +88,9 @@ def _retie_word_embeddings(worker) -> bool:
     if not getattr(text_config, "tie_word_embeddings", False):
         return False
     model = runner.get_model()
+    # A vision-language model (Qwen2.5-VL) holds the causal LM, with lm_head and embed_tokens, as its language model.
+    if hasattr(model, "get_language_model"):
+        model = model.get_language_model()
     lm_head = getattr(model, "lm_head", None)
     try:
         embed = model.get_submodule("model.embed_tokens")
