@@ -4,6 +4,13 @@ The layers are the training model's own modules (`RMSNorm`, `HeadProjection`, `O
 `apply_rope`, `dot_product_attention`) applied to the same params, so a token's logits equal those of
 `CausalLM.apply` on the whole sequence up to float rounding; only where keys and values come from differs.
 
+Qwen2.5-VL (`Qwen2_5_VLCausalLM`, whose params hold the same decoder tree under "model") decodes with the same
+functions: its prompt pass runs on the model's own `embed` (image features merged into the token embeddings)
+with the mRoPE positions [3, B, T] of `qwen2_5_vl.mrope_positions`, and each later token turns by its cache
+index plus a per-row offset (the prompt's largest position + 1 - its length; 0 for text), the same on all three
+axes, which is the ordinary rotation (`rope_positions`). A cache index and a rotary position are kept apart
+for that reason: the first says where a key lives and what a query may see, the second how it is rotated.
+
 Cache: {"k": [L, B, S, K, D], "v": [L, B, S, K, D]}, L layers, B rows (sampler slots), S max length, K kv heads,
 D head dim. A row's entry at position p holds the key/value of the token at position p. Entries beyond what a
 row has written are stale (earlier occupants, padding) and masked out: a query at position p attends to keys at
@@ -50,7 +57,8 @@ def _heads(c: ModelConfig, params, x, num_heads: int, head_axis: str):
     return proj.apply({"params": params}, x)
 
 
-def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None):
+def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,
+           rope_positions=None, embeddings=None):
     """Runs `tokens` [B, T] at `positions` [B, T] against `cache`; returns (hidden [B, T, E], new cache).
 
     Each token's key/value is written into its row of the cache at its position, then every query attends to
@@ -58,13 +66,23 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
     whole cache; every position in `positions` must be < kv_len). Positions past the cache end are dropped.
     Prefill: a fresh cache, positions 0..T-1 (right padding is harmless: pads sit after the real tokens).
     Decode: T = 1, positions = tokens already in the row.
+    rope_positions: what the queries and keys are rotated by, [B, T] or mRoPE [3, B, T] (config.mrope_section);
+      default `positions`. embeddings: input embeddings [B, T, E] to run instead of the tokens' own (a
+      vision-language prompt with its image features merged in); `tokens` is then not read.
     """
     c = model.config
     kv_len = cache["k"].shape[2] if kv_len is None else kv_len
-    b = tokens.shape[0]
+    b = positions.shape[0]
     decoder = params["model"]
-    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype)
-    x = embed.apply({"params": decoder["embed_tokens"]}, tokens)  # [B, T, E]
+    if embeddings is None:
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype)
+        x = embed.apply({"params": decoder["embed_tokens"]}, tokens)  # [B, T, E]
+    else:
+        x = embeddings.astype(c.dtype)
+    rope_positions = positions if rope_positions is None else rope_positions
+    if rope_positions.ndim == 3 and c.mrope_section is None:
+        raise ValueError("rope_positions [3, B, T] (mRoPE) need a config with mrope_section (Qwen2.5-VL)")
+    mrope_section = c.mrope_section if rope_positions.ndim == 3 else None
     inv_freq = jnp.asarray(rope_inv_freq(c))
     rows = jnp.arange(b)[:, None]  # [B, 1]
     key_positions = jnp.arange(kv_len)
@@ -74,8 +92,10 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
         layer = decoder[f"layers_{i}"]
         attn = layer["self_attn"]
         h = _norm(c, layer["input_layernorm"], x)
-        q = apply_rope(_heads(c, attn["q_proj"], h, c.num_heads, "heads"), positions, inv_freq)  # [B, T, H, D]
-        k = apply_rope(_heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads"), positions, inv_freq)  # [B,T,K,D]
+        q = _heads(c, attn["q_proj"], h, c.num_heads, "heads")  # [B, T, H, D]
+        k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads")  # [B, T, K, D]
+        q = apply_rope(q, rope_positions, inv_freq, mrope_section)
+        k = apply_rope(k, rope_positions, inv_freq, mrope_section)
         v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads")
         cache_k = cache_k.at[i, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
         cache_v = cache_v.at[i, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
@@ -90,20 +110,37 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
 
 def logits(model: CausalLM, params, hidden):
     """Logits [..., V] of final hidden states (the model's own head: tied embedding or lm_head)."""
-    return model.apply({"params": params}, hidden, method=CausalLM.logits_from_hidden)
+    return model.apply({"params": params}, hidden, method=type(model).logits_from_hidden)
 
 
-def prefill(model: CausalLM, params, tokens, *, cache_dtype=None):
-    """Prompt pass on a fresh cache sized to the prompts: tokens [P, T] (right-padded) -> (hidden, cache)."""
+def prefill(model: CausalLM, params, tokens, *, cache_dtype=None, rope_positions=None, pixel_values=None,
+            vision_layout=None):
+    """Prompt pass on a fresh cache sized to the prompts: tokens [P, T] (right-padded) -> (hidden, cache).
+
+    A vision-language model (`Qwen2_5_VLCausalLM`) takes its prompts' images as `pixel_values` [N, patch_dim]
+    (every row's images in row order, zero rows after) with their `vision_layout` (a `VisionLayout` over the
+    same N patches), merged into the image pad tokens by the model's `embed`, and `rope_positions` [3, P, T]
+    (`mrope_positions` of the prompts); without images its prompts are text and need neither.
+    """
     p, t = tokens.shape
     cache = init_cache(model.config, p, t, cache_dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (p, t))
-    return extend(model, params, cache, tokens, positions)
+    embeddings = None
+    if pixel_values is not None:
+        if vision_layout is None:
+            raise ValueError("prefill with pixel_values needs their vision_layout (qwen2_5_vl.vision_layout)")
+        embeddings = model.apply({"params": params}, tokens, pixel_values=pixel_values, vision_layout=vision_layout,
+                                 method=type(model).embed)
+    return extend(model, params, cache, tokens, positions, rope_positions=rope_positions, embeddings=embeddings)
 
 
-def decode_step(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None):
-    """One token per row: tokens [B], positions [B] -> (logits [B, V], new cache)."""
-    hidden, cache = extend(model, params, cache, tokens[:, None], positions[:, None], kv_len=kv_len)
+def decode_step(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,
+                rope_positions=None):
+    """One token per row: tokens [B], positions [B] (cache indices) -> (logits [B, V], new cache).
+    rope_positions [B]: the rotary position of each row's token (default its cache index)."""
+    rope = None if rope_positions is None else rope_positions[:, None]
+    hidden, cache = extend(model, params, cache, tokens[:, None], positions[:, None], kv_len=kv_len,
+                           rope_positions=rope)
     return logits(model, params, hidden[:, 0]), cache
 
 

@@ -41,6 +41,20 @@ Since the next call is dispatched before the previous one is read back, the vers
 dispatched, together with the slot owners of that call, not when its tokens are collected. `weight_version` is
 the first token's. Updates run one at a time, in the order they were called.
 Runs on one device (the first, or `device=`).
+
+Images (a `Qwen2_5_VLCausalLM` policy; `supports_images` is True only then). `generate(prompt, ...,
+images=[PreparedImage, ...])` takes all of the prompt's images in order, one per run of `<|image_pad|>` ids (the
+chain resends a conversation's earlier images with every turn). The request is checked when it is made: the
+prompt's pad count must equal the images' tokens, run by run (`mrope_positions` on the host gives each prompt
+token its 3-D rotary position, and the row's rotary offset: its largest position + 1 - its length). A prompt pass
+with images embeds the prompts through the model's `embed`: the vision tower runs over the pass's images, their
+patches padded with zero rows to a power-of-two patch bucket (at least `min_patch_bucket`), so one program serves
+each (prompt bucket, patch bucket); passes hold as many of a bucket's prompts as fit `prefill_patches` patches
+(the vision tower attends densely over a pass's patches). Decoding then rotates each token by its cache index
+plus the row's offset, the same on all three axes, as transformers' generate does. Prompts without images take
+the text path, on a vision-language model too (offset 0), and text models compile exactly the programs they
+always did. Nothing computed for one request is reused for another (a prompt's `n` samples share its one pass),
+so a later turn's prompt encodes its earlier images again from their pixels, with the current weights.
 """
 from __future__ import annotations
 
@@ -56,8 +70,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentfly_jax.models import decode
+from agentfly_jax.models.qwen2_5_vl import Qwen2_5_VLCausalLM, mrope_positions, pad_patches, vision_layout
 from agentfly_jax.models.transformer import CausalLM
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
+from agentfly_jax.rollout.images import PreparedImage
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +86,11 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
     out.append(hi)
     return tuple(out)
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    """The smallest power of two >= max(n, lo)."""
+    return 1 << (max(n, lo) - 1).bit_length()
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
@@ -130,6 +151,9 @@ class _Request:
     stop_ids: frozenset
     seed: int
     future: asyncio.Future
+    images: tuple = ()  # PreparedImage of the prompt, in order (vision-language models only)
+    rope: np.ndarray | None = None  # [3, len(prompt) - 1] mRoPE positions of the prompt pass, with images
+    rope_offset: int = 0  # rotary position - cache index of every later token (0 for text)
     tokens: list = dataclasses.field(default_factory=list)  # per sample
     logprobs: list = dataclasses.field(default_factory=list)
     finish: list = dataclasses.field(default_factory=list)
@@ -151,7 +175,8 @@ class _Request:
 
 
 class JaxSampler(GenerationBackend):
-    """Embedded continuous-batching sampler for a `CausalLM` and its params (`load_pretrained` output).
+    """Embedded continuous-batching sampler for a `CausalLM` or `Qwen2_5_VLCausalLM` and its params
+    (`load_pretrained` output).
 
     Options:
       max_slots: sequences decoded together (the decode batch); more wait for a free slot.
@@ -161,18 +186,30 @@ class JaxSampler(GenerationBackend):
       prefill_tokens: prompt tokens per batched prompt pass (rows = prefill_tokens // bucket length, <= 16).
       min_bucket: the smallest prompt / attention-window bucket.
       max_stop_tokens: stop ids a request may give (a static shape).
+      prefill_patches: image patches per prompt pass (vision-language models): a pass takes prompts while their
+        images fit; a prompt with more goes alone.
+      min_patch_bucket: the smallest patch bucket (a power of two) of a prompt pass with images.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
       seed: seeds requests that give none (each then gets a fresh draw from this generator).
       device: the jax device to run on (default: the first).
     """
 
-    def __init__(self, model: CausalLM, params, *, max_slots: int = 64, max_len: int | None = None,
-                 steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
-                 max_stop_tokens: int = 8, cache_dtype=None, seed: int = 0, device=None):
-        if not isinstance(model, CausalLM):
-            raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM, got {type(model).__name__}")
+    def __init__(self, model: CausalLM | Qwen2_5_VLCausalLM, params, *, max_slots: int = 64,
+                 max_len: int | None = None, steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
+                 max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
+                 cache_dtype=None, seed: int = 0, device=None):
+        if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
+            raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
+                            f"{type(model).__name__}")
         config = model.config
         self.model = model
+        #: whether generate takes images (the backend contract of chains with images): a vision-language policy
+        self.supports_images = isinstance(model, Qwen2_5_VLCausalLM)
+        if min_patch_bucket < 1 or min_patch_bucket & (min_patch_bucket - 1) or prefill_patches < 1:
+            raise ValueError(f"JaxSampler needs min_patch_bucket a power of two and prefill_patches >= 1; got "
+                             f"{min_patch_bucket}, {prefill_patches}")
+        self.prefill_patches = int(prefill_patches)
+        self.min_patch_bucket = max(int(min_patch_bucket), config.vision.merge_unit if config.vision else 1)
         self.max_slots = int(max_slots)
         self.max_len = int(max_len or min(config.max_position_embeddings, 2048))
         self.steps_per_call = int(steps_per_call)
@@ -195,8 +232,10 @@ class JaxSampler(GenerationBackend):
         b = self.max_slots
         with jax.default_device(self.device):
             self._cache = decode.init_cache(config, b, self.max_len, cache_dtype)
+            # positions: cache index of each slot's next token; rope_offset: its rotary position minus that
             self._state = {"tokens": jnp.zeros(b, jnp.int32), "positions": jnp.zeros(b, jnp.int32),
-                           "count": jnp.zeros(b, jnp.int32), "done": jnp.ones(b, bool)}
+                           "rope_offset": jnp.zeros(b, jnp.int32), "count": jnp.zeros(b, jnp.int32),
+                           "done": jnp.ones(b, bool)}
         # Per-slot sampling settings, kept on the host and uploaded when they change.
         self._cfg = {"temperature": np.zeros(b, np.float32), "top_p": np.ones(b, np.float32),
                      "top_k": np.zeros(b, np.int32), "stops": np.full((b, self.max_stop_tokens), -1, np.int32),
@@ -225,11 +264,20 @@ class JaxSampler(GenerationBackend):
             _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype)
             return prompt_cache
 
-        def insert(cache, state, prompt_cache, row, slot, last_token, position):
+        def prefill_images(params, tokens, rope_positions, pixel_values, layout):
+            # tokens [P, T], rope_positions [3, P, T], pixel_values [N, patch_dim], layout: VisionLayout over N
+            counts["prefill_images"] += 1
+            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype,
+                                             rope_positions=rope_positions, pixel_values=pixel_values,
+                                             vision_layout=layout)
+            return prompt_cache
+
+        def insert(cache, state, prompt_cache, row, slot, last_token, position, rope_offset):
             counts["insert"] += 1
             cache = decode.copy_into(cache, prompt_cache, row, slot)
             state = {"tokens": state["tokens"].at[slot].set(last_token),
                      "positions": state["positions"].at[slot].set(position),
+                     "rope_offset": state["rope_offset"].at[slot].set(rope_offset),
                      "count": state["count"].at[slot].set(0), "done": state["done"].at[slot].set(False)}
             return cache, state
 
@@ -240,20 +288,21 @@ class JaxSampler(GenerationBackend):
                 cache, st = carry
                 active = cfg["alive"] & ~st["done"]  # [B]
                 logits, cache = decode.decode_step(model, params, cache, st["tokens"], st["positions"],
-                                                   kv_len=kv_len)
+                                                   kv_len=kv_len, rope_positions=st["positions"] + st["rope_offset"])
                 tokens, logprobs = sample_tokens(logits, cfg, st["count"], filtered=filtered)
                 count = st["count"] + active.astype(jnp.int32)
                 stopped = jnp.any(cfg["stops"] == tokens[:, None], axis=-1)
                 done = st["done"] | (active & (stopped | (count >= cfg["budget"])))
                 st = {"tokens": jnp.where(active, tokens, st["tokens"]),
                       "positions": jnp.minimum(st["positions"] + active.astype(jnp.int32), max_len - 1),
-                      "count": count, "done": done}
+                      "rope_offset": st["rope_offset"], "count": count, "done": done}
                 return (cache, st), (tokens, logprobs, active)
 
             (cache, state), (tokens, logprobs, valid) = jax.lax.scan(step, (cache, state), None, length=steps)
             return cache, state, {"tokens": tokens, "logprobs": logprobs, "valid": valid}  # each [steps, B]
 
         self._prefill = jax.jit(prefill)
+        self._prefill_images = jax.jit(prefill_images)
         self._insert = jax.jit(insert, donate_argnums=(0, 1))
         self._decode = jax.jit(decode_call, static_argnums=(4, 5, 6), donate_argnums=(1, 2))
 
@@ -265,10 +314,13 @@ class JaxSampler(GenerationBackend):
     # ---------------------------------------------------------------------------------------- public API
     async def generate(self, prompt_token_ids: Sequence[int], *, max_tokens: int, temperature: float = 1.0,
                        top_p: float = 1.0, top_k: int = -1, stop_token_ids: Sequence[int] = (), n: int = 1,
-                       seed: int | None = None) -> list[Completion]:
-        """Samples `n` continuations; see the module docstring for the sampling and logprob conventions."""
+                       seed: int | None = None, images: Sequence[PreparedImage] = ()) -> list[Completion]:
+        """Samples `n` continuations; see the module docstring for the sampling and logprob conventions.
+
+        images: the prompt's images in order, one per run of `<|image_pad|>` ids (vision-language models only).
+        """
         request = self._make_request(prompt_token_ids, max_tokens, temperature, top_p, top_k, stop_token_ids,
-                                     n, seed)
+                                     n, seed, images)
         self._ensure_running()
         self._open.add(request)
         request.future.add_done_callback(lambda _: self._open.discard(request))
@@ -362,7 +414,8 @@ class JaxSampler(GenerationBackend):
         self._abort_all("abort")
 
     # ---------------------------------------------------------------------------------------- requests
-    def _make_request(self, prompt, max_tokens, temperature, top_p, top_k, stop_ids, n, seed) -> _Request:
+    def _make_request(self, prompt, max_tokens, temperature, top_p, top_k, stop_ids, n, seed,
+                      images=()) -> _Request:
         if self._closed:
             raise RuntimeError("JaxSampler is closed")
         if self._failure is not None:
@@ -385,11 +438,50 @@ class JaxSampler(GenerationBackend):
         if len(stop_ids) > self.max_stop_tokens:
             raise ValueError(f"{len(stop_ids)} stop token ids given; this sampler allows {self.max_stop_tokens} "
                              "(option max_stop_tokens)")
+        images, rope, rope_offset = self._check_images(prompt, images)
         if seed is None:
             seed = int(self._rng.integers(0, 2 ** 32))
         return _Request(prompt=prompt, n=int(n), budget=min(int(max_tokens), self.max_len - len(prompt)),
                         temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), stop_ids=stop_ids,
-                        seed=int(seed) % 2 ** 32, future=asyncio.get_running_loop().create_future())
+                        seed=int(seed) % 2 ** 32, future=asyncio.get_running_loop().create_future(),
+                        images=images, rope=rope, rope_offset=rope_offset)
+
+    def _check_images(self, prompt: list[int], images) -> tuple[tuple, np.ndarray | None, int]:
+        """(images, mRoPE positions [3, len(prompt) - 1] of the prompt pass, rotary offset) of a prompt; (), None,
+        0 for a text prompt. Raises when the images do not fit the model or the prompt's image pad tokens."""
+        images = tuple(images or ())
+        vision = self.model.config.vision
+        if not self.supports_images:
+            if images:
+                raise ValueError(f"this JaxSampler serves a text-only {type(self.model).__name__}, which cannot see "
+                                 f"images; got {len(images)} with the prompt. Serve a Qwen2.5-VL policy "
+                                 "(load_pretrained of a Qwen2_5_VLForConditionalGeneration checkpoint) or send the "
+                                 "prompt without images")
+            return (), None, 0
+        for i, image in enumerate(images):
+            if not isinstance(image, PreparedImage):
+                raise TypeError(f"images[{i}] is a {type(image).__name__}; JaxSampler takes PreparedImage "
+                                "(agentfly_jax.rollout.images.prepare_image)")
+            geometry = (image.patch_size, image.temporal_patch_size, image.merge_size)
+            expected = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+            if geometry != expected:
+                raise ValueError(f"images[{i}] is cut into patches of (patch_size, temporal_patch_size, merge_size)"
+                                 f" = {geometry} but the model's vision tower takes {expected}; prepare the images "
+                                 "with ImageSettings matching the model's vision config")
+        pads = prompt.count(vision.image_token_id)
+        needed = [image.num_tokens for image in images]
+        if pads != sum(needed):
+            raise ValueError(f"the prompt holds {pads} image pad tokens (<|image_pad|>, id {vision.image_token_id})"
+                             f" but its {len(images)} image(s) take {sum(needed)} ({needed}); pass all of the "
+                             "prompt's images, in order, prepared with the settings that expanded its pads")
+        if not images:
+            return (), None, 0
+        if prompt[-1] == vision.image_token_id:
+            raise ValueError("the prompt ends inside an image (its last token is <|image_pad|>); an image's pads "
+                             "are followed by <|vision_end|> and the generation prompt")
+        grid = np.array([image.grid_thw for image in images], np.int64)
+        positions = mrope_positions(self.model.config, np.asarray(prompt)[None], grid)[:, 0]  # [3, L]
+        return images, positions[:, :-1], int(positions.max()) + 1 - len(prompt)
 
     def _place_params(self, params, reference):
         """Params on the sampler's device; with a reference tree, checks structure/shapes and casts dtypes."""
@@ -480,31 +572,62 @@ class JaxSampler(GenerationBackend):
         for request, sample, slot in admitted:
             by_prompt.setdefault(id(request), []).append((request, sample, slot))
         groups = sorted(by_prompt.values(), key=lambda g: len(g[0][0].prompt))
-        by_bucket: dict[int, list] = {}
+        by_bucket: dict[tuple[int, bool], list] = {}
         for group in groups:
             # The prompt pass covers all but the last prompt token; the first decode step feeds that one.
             prefix = max(len(group[0][0].prompt) - 1, 1)
-            by_bucket.setdefault(_bucket(self.buckets, prefix), []).append(group)
-        for length, bucket_groups in by_bucket.items():
+            by_bucket.setdefault((_bucket(self.buckets, prefix), bool(group[0][0].images)), []).append(group)
+        for (length, with_images), bucket_groups in by_bucket.items():
             rows = max(1, min(16, self.prefill_tokens // length))
             rows = 1 << (rows.bit_length() - 1)  # a power of two: one compiled shape per bucket
-            for start in range(0, len(bucket_groups), rows):
-                self._prefill_and_insert(bucket_groups[start:start + rows], length, rows)
+            if not with_images:
+                for start in range(0, len(bucket_groups), rows):
+                    self._prefill_and_insert(bucket_groups[start:start + rows], length, rows)
+                continue
+            passes: list[list] = [[]]
+            patches = 0
+            for group in bucket_groups:
+                need = sum(image.num_patches for image in group[0][0].images)
+                if passes[-1] and (len(passes[-1]) == rows or patches + need > self.prefill_patches):
+                    passes.append([])
+                    patches = 0
+                passes[-1].append(group)
+                patches += need
+            for groups_of_pass in passes:
+                self._prefill_and_insert(groups_of_pass, length, rows)
 
     def _prefill_and_insert(self, groups, length: int, rows: int):
         tokens = np.zeros((rows, length), np.int32)
         for r, group in enumerate(groups):
             prefix = group[0][0].prompt[:-1]
             tokens[r, :len(prefix)] = prefix
-        prompt_cache = self._prefill(self._params, jax.device_put(tokens, self.device))
+        requests = [group[0][0] for group in groups]
+        if requests[0].images:
+            prompt_cache = self._prefill_images(self._params, *self._vision_inputs(tokens, requests))
+        else:
+            prompt_cache = self._prefill(self._params, jax.device_put(tokens, self.device))
         self.stats["prefill_calls"] += 1
         for r, group in enumerate(groups):
             for request, sample, slot in group:
                 prompt = request.prompt
                 self._cache, self._state = self._insert(self._cache, self._state, prompt_cache, np.int32(r),
                                                         np.int32(slot), np.int32(prompt[-1]),
-                                                        np.int32(len(prompt) - 1))
+                                                        np.int32(len(prompt) - 1), np.int32(request.rope_offset))
                 self._assign(slot, request, sample)
+
+    def _vision_inputs(self, tokens: np.ndarray, requests: list[_Request]):
+        """Device inputs of a prompt pass with images, after the params: tokens [rows, T], mRoPE positions
+        [3, rows, T] (0 on padding), pixel values [N, patch_dim] of every row's images in row order (zero rows up
+        to the power-of-two bucket N) and their VisionLayout."""
+        rope = np.zeros((3, *tokens.shape), np.int32)
+        for r, request in enumerate(requests):
+            rope[:, r, :request.rope.shape[1]] = request.rope
+        images = [image for request in requests for image in request.images]
+        pixel_values = np.concatenate([image.pixel_values() for image in images])
+        num_patches = _pow2_at_least(pixel_values.shape[0], self.min_patch_bucket)
+        layout = vision_layout(self.model.config.vision, np.array([image.grid_thw for image in images]), num_patches)
+        self.stats["images"] += len(images)
+        return jax.device_put((tokens, rope, pad_patches(pixel_values, num_patches), layout), self.device)
 
     def _assign(self, slot: int, request: _Request, sample: int):
         cfg = self._cfg
