@@ -71,9 +71,10 @@ def smollm2_sft(c: ConfigDict, stages, *, batch_size: int = 16, learning_rate: f
 
 
 def smollm2_cpu(c: ConfigDict, *, context: int = 1024, buckets=(1024,)) -> None:
-    """The SmolLM2 recipes' `:cpu` plumbing run: one SFT step of 2 demonstrations, then `cpu_plumbing`'s one GRPO
-    step (2 tasks x 2 chains, 2 turns of 32 tokens) within `context` tokens."""
-    cpu_plumbing(c, context=context, buckets=buckets, turns=2, new_tokens=32, slots=4)
+    """The SmolLM2 recipes' `:cpu` plumbing run: one SFT step of 2 demonstrations, then one GRPO step of one task
+    x 2 chains (2 turns of 32 tokens) within `context` tokens. One group is enough to exercise every part; the
+    135M model's update is compute-bound on a CPU, so each extra task costs seconds of the test suite."""
+    cpu_plumbing(c, context=context, buckets=buckets, turns=2, new_tokens=32, slots=4, tasks_per_step=1)
     c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
     c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))
 

@@ -37,7 +37,9 @@ def get_config(arg: str | None = None):
         c.model.vocab_size = 49152
         smollm2_cpu(c, context=5120, buckets=(5120,))
         c.env.options.pool_size = 8
-        c.seq_buckets = (8192,)  # the SFT demonstrations are whole conversations (up to 5.4k tokens)
+        # the SFT demonstrations are whole conversations (up to 5.4k tokens); the RL rows (prompts of 2-4k tokens)
+        # take the smallest bucket that holds them: attention over a packed row is quadratic in its length
+        c.seq_buckets = (2048, 4096, 8192)
         c.jax_sampler.max_len = 5120
         c.rl.micro_batches = 2
     elif arg:

@@ -8,6 +8,7 @@
 #   3. carry .carry/java:         bash scripts/device/smollm2_gpu.sh java      # ScienceWorld's JVM (optional)
 #   4.                            bash scripts/device/smollm2_gpu.sh queue arithmetic math search ...
 #   5. (repeat until done)        bash scripts/device/smollm2_gpu.sh status      # also copies results to $OUT
+#   or 4'. on 2+ GPUs:            bash scripts/device/smollm2_gpu.sh bench-async   # async vs sync, then `status`
 #
 # `launch` starts each recipe (experiments/smollm2_<name>.py) as its own process in a new session (they keep
 # running between calls), all sharing the one GPU; `queue` runs them one after another in one background session
@@ -105,8 +106,20 @@ case "${1:-}" in
       done' queue "$@" > /dev/null 2>&1 < /dev/null &
     log "queued $* (pid $!)"
     ;;
+  bench-async)  # scripts/bench_async.py on a real recipe (default search), in the background; `status` shows it
+    shift
+    env_vars
+    setsid nohup "$PY" scripts/bench_async.py --experiment "experiments/smollm2_${BENCH_RECIPE:-search}.py" \
+      --steps "${BENCH_STEPS:-12}" --separate-device "$@" > "$WORK/bench_async.log" 2>&1 < /dev/null &
+    log "bench_async started (pid $!)"
+    ;;
   status)
     env_vars
+    if [ -f "$WORK/bench_async.log" ]; then
+      echo "== bench_async: $(grep -c . "$WORK/bench_async.log") log lines"
+      grep '^{' "$WORK/bench_async.log" || tail -n "${TAIL:-3}" "$WORK/bench_async.log" | cut -c1-300
+      mkdir -p "${OUT:-$WORK/out}" && cp "$WORK/bench_async.log" "${OUT:-$WORK/out}/"
+    fi
     nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=csv,noheader || true
     for f in "$WORK"/runs/*.log; do
       [ -f "$f" ] || continue
@@ -135,7 +148,7 @@ PYEOF
       --exclude='vllm_model' --exclude='tokenizer' runs 2>/dev/null) || true
     ;;
   *)
-    echo "usage: $0 stage|setup|wheels|java|launch NAME...|queue NAME...|status" >&2
+    echo "usage: $0 stage|setup|wheels|java|launch NAME...|queue NAME...|bench-async [ARGS]|status" >&2
     exit 2
     ;;
 esac
