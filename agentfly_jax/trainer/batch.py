@@ -9,14 +9,41 @@ without a round trip through the host. The whole batch moves to the devices in o
 (`trainer/update.py` fills old/reference logprobs, values, advantages and loss weights there, in one jitted
 pass). Shapes come from a few buckets (L from `seq_buckets`, R rounded up to `rows_multiple`) so jit
 compiles a handful of times, not once per step.
+
+Images (a vision-language policy, models/qwen2_5_vl.py): each micro-batch carries the images of its own rows
+(`VisionRows`): their patches in row order, and within a row in the order their `<|image_pad|>` runs appear, which
+is the order in which the model's embedding hands the merged patches to the pad tokens. The patch count is padded
+to a bucket (a power of two, the same for every micro-batch of the step) and the grids stay on the host: the
+vision tower's layout and the decoder's mRoPE positions [3, R, L] (restarting in every packed segment) are computed
+here, per micro-batch, so jit sees shapes only. A batch without images is packed exactly as for a text policy.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.struct
+import jax
 import numpy as np
+
+from agentfly_jax.models import ModelConfig, VisionLayout, mrope_positions, vision_layout
+
+#: The fewest patch rows a micro-batch's images are padded to (then powers of two): a few vision-tower shapes.
+MIN_PATCH_BUCKET = 64
+
+
+class VisionRows(flax.struct.PyTreeNode):
+    """The images of a micro-batch for the vision tower, `[..., P, ...]` (leading axes as the rows'): their patches
+    (the Qwen2-VL processor's `pixel_values`, images one after another in the order their pad tokens appear in
+    the micro-batch's rows, zero rows after the last) and the tower's `VisionLayout` of them (padding: segment 0)."""
+
+    pixel_values: Any  # float32 [..., P, 3 * temporal_patch_size * patch_size**2]
+    rotary_positions: Any  # int32 [..., P, 2]
+    window_segments: Any  # int32 [..., P]
+    full_segments: Any  # int32 [..., P]
+
+    def layout(self) -> VisionLayout:
+        return VisionLayout(self.rotary_positions, self.window_segments, self.full_segments)
 
 
 class PackedRows(flax.struct.PyTreeNode):
@@ -24,10 +51,11 @@ class PackedRows(flax.struct.PyTreeNode):
 
     The first five come from the rollout; the rest are filled on the device before the update (None until
     then, or when the recipe needs none: `ref_logprobs` without KL, `old_values`/`returns`/`value_weights`
-    without a critic)."""
+    without a critic). A batch with images (vision-language policy) has `vision` and mRoPE `positions`
+    `[..., 3, R, L]` (temporal, height, width; text tokens advance all three)."""
 
     tokens: Any  # int32
-    positions: Any  # int32, restarting at 0 in every segment
+    positions: Any  # int32, restarting at 0 in every segment ([..., 3, R, L] with images)
     segment_ids: Any  # int32, 1, 2, ... per row; 0 = padding
     action_mask: Any  # float32, 1 on sampled tokens
     sampler_logprobs: Any  # float32, the rollout engine's logprobs (0 off-action)
@@ -38,6 +66,7 @@ class PackedRows(flax.struct.PyTreeNode):
     returns: Any = None
     loss_weights: Any = None  # aggregation weights of the recipe over each mini-batch
     value_weights: Any = None  # token-mean weights over each mini-batch, for the critic
+    vision: VisionRows | None = None  # each micro-batch's images (a vision-language policy's batch with images)
 
 
 class UpdateBatch(flax.struct.PyTreeNode):
@@ -142,13 +171,20 @@ def micro_batch_count(rows_needed: int, *, micro_batches: int, rows_multiple: in
 def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.ndarray, lengths: np.ndarray, *,
               rewards: np.ndarray, group_ids: np.ndarray, minibatch: np.ndarray, num_minibatches: int,
               micro_batches: int = 1, rows_multiple: int = 1, row_len: int | None = None,
-              micro_batch_tokens: int | None = None) -> UpdateBatch:
+              micro_batch_tokens: int | None = None, images: Mapping[str, np.ndarray] | None = None,
+              model_config: ModelConfig | None = None, pad_patches_to: int | None = None) -> UpdateBatch:
     """Packs per-trajectory arrays `[N, T]` into an UpdateBatch (numpy leaves).
 
     Each mini-batch is packed into rows of `row_len` (default T) tokens by first-fit-decreasing; every
     mini-batch gets the same row count R: the most any needs, rounded up to `micro_batches * rows_multiple`
     (pass the data-parallel size times a row bucket, so rows split evenly over devices and shapes repeat).
     `micro_batch_tokens` raises the micro-batch count where one would hold more tokens (`micro_batch_count`).
+
+    images: the trajectories' images in `rollout.images_to_batch`'s layout (`pixel_values` [P, D] with every
+    image's patches in trajectory order, `image_grid_thw` [I, 3], `image_rows` [I]: the trajectory of each); with
+    `model_config`, the vision-language policy's config (its `vision` and mRoPE), the rows get `vision` (each
+    micro-batch's images, padded to `pad_patches_to` patches or the smallest power of two >= MIN_PATCH_BUCKET
+    that holds the largest micro-batch's) and mRoPE positions (see `pack_vision`).
     """
     tokens = np.asarray(tokens)
     n, t = tokens.shape
@@ -179,10 +215,12 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
     unpack_index = np.full((n, t), -1, np.int32)
     sources = {"tokens": tokens, "action_mask": np.asarray(action_mask, np.float32),
                "sampler_logprobs": np.asarray(sampler_logprobs, np.float32)}
+    row_members = [[[] for _ in range(rows)] for _ in range(num_minibatches)]  # trajectories of each row, in order
     for k, (members, row, offset) in enumerate(placement):
         next_segment = np.ones(rows, np.int32)
         for j in np.argsort(row * row_len + offset, kind="stable"):  # row-major, so segment ids increase
             i, r, o, length = members[j], row[j], offset[j], lengths[members[j]]
+            row_members[k][r].append(int(i))
             span = slice(o, o + length)
             for key, src in sources.items():
                 out[key][k, r, span] = src[i, :length]
@@ -195,9 +233,77 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
     def split(x):  # [K, R, L] -> [K, M, R / M, L]
         return x.reshape(num_minibatches, micro_batches, rows // micro_batches, row_len)
 
-    return UpdateBatch(rows=PackedRows(**{k: split(v) for k, v in out.items()}),
-                       rewards=np.asarray(rewards, np.float32), group_ids=np.asarray(group_ids, np.int32),
+    packed = PackedRows(**{k: split(v) for k, v in out.items()})
+    if images is not None:
+        if model_config is None or model_config.vision is None:
+            family = "none given" if model_config is None else f"family {model_config.family!r}"
+            raise ValueError(f"pack_step: the trajectories have {len(images['image_grid_thw'])} images but the policy "
+                             f"is not a vision-language model ({family}): train a Qwen2.5-VL policy "
+                             "(config.model.family='qwen2_5_vl', or a Qwen2.5-VL checkpoint) on tasks with images")
+        micro_rows = [[row_members[k][r] for r in range(m * (rows // micro_batches), (m + 1) * (rows // micro_batches))]
+                      for k in range(num_minibatches) for m in range(micro_batches)]
+        positions, vision = pack_vision(packed.tokens.reshape(-1, rows // micro_batches, row_len),
+                                        packed.segment_ids.reshape(-1, rows // micro_batches, row_len), micro_rows,
+                                        images, model_config, n, pad_patches_to=pad_patches_to)
+        def lead(x):  # [K * M, ...] -> [K, M, ...]
+            return x.reshape(num_minibatches, micro_batches, *x.shape[1:])
+
+        packed = packed.replace(positions=lead(positions), vision=jax.tree.map(lead, vision))
+    return UpdateBatch(rows=packed, rewards=np.asarray(rewards, np.float32), group_ids=np.asarray(group_ids, np.int32),
                        minibatch=minibatch, lengths=lengths, pack_index=split(pack_index), unpack_index=unpack_index)
+
+
+def patch_bucket(count: int, smallest: int = MIN_PATCH_BUCKET) -> int:
+    """The patch rows `count` patches are padded to: the smallest power of two >= max(count, smallest)."""
+    return max(smallest, 1 << max(count - 1, 0).bit_length())
+
+
+def pack_vision(tokens: np.ndarray, segment_ids: np.ndarray, micro_rows: Sequence[Sequence[Sequence[int]]],
+                images: Mapping[str, np.ndarray], model_config: ModelConfig, num_trajectories: int, *,
+                pad_patches_to: int | None = None) -> tuple[np.ndarray, VisionRows]:
+    """(mRoPE positions [B, 3, R, L], VisionRows [B, P, ...]) of B packed micro-batches (host numpy).
+
+    tokens, segment_ids [B, R, L]: the packed micro-batches; micro_rows[b][r]: the trajectories packed into row r
+    of micro-batch b, in the order they sit in the row; images: `rollout.images_to_batch`'s `pixel_values`,
+    `image_grid_thw` and `image_rows` of the `num_trajectories` trajectories. Micro-batch b gets the images of
+    its rows' trajectories in that order, which is the order of their `<|image_pad|>` runs in the packed tokens.
+    """
+    vision = model_config.vision
+    grids = np.asarray(images["image_grid_thw"], np.int64).reshape(-1, 3)
+    image_rows = np.asarray(images["image_rows"], np.int64).reshape(-1)
+    pixels = np.asarray(images["pixel_values"], np.float32)
+    if len(image_rows) != len(grids) or (len(image_rows) and (image_rows.min() < 0
+                                                              or image_rows.max() >= num_trajectories)):
+        raise ValueError(f"pack_vision: {len(grids)} image grids with {len(image_rows)} image rows, which must "
+                         f"index the {num_trajectories} trajectories")
+    if pixels.ndim != 2 or pixels.shape[1] != vision.patch_dim:
+        raise ValueError(f"pack_vision: pixel_values must be [patches, {vision.patch_dim}] (the policy's patch "
+                         f"geometry), got {pixels.shape}: prepare images with the policy's patch size")
+    sizes = grids.prod(axis=1)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    if starts[-1] > len(pixels):
+        raise ValueError(f"pack_vision: the grids need {starts[-1]} patches but pixel_values has {len(pixels)}")
+    of_trajectory = [np.flatnonzero(image_rows == i) for i in range(num_trajectories)]
+    chosen = [[index for row in rows for i in row for index in of_trajectory[i]] for rows in micro_rows]
+    most = max((int(sizes[c].sum()) for c in chosen), default=0)
+    bucket = patch_bucket(most) if pad_patches_to is None else int(pad_patches_to)
+    if bucket < most or bucket % vision.merge_unit:
+        raise ValueError(f"pack_vision: pad_patches_to={bucket} must hold a micro-batch's {most} patches and be a "
+                         f"multiple of spatial_merge_size**2={vision.merge_unit}")
+    b = len(micro_rows)
+    positions = np.zeros((b, 3, *tokens.shape[1:]), np.int32)
+    out = {"pixel_values": np.zeros((b, bucket, vision.patch_dim), np.float32),
+           "rotary_positions": np.zeros((b, bucket, 2), np.int32),
+           "window_segments": np.zeros((b, bucket), np.int32), "full_segments": np.zeros((b, bucket), np.int32)}
+    for m, indexes in enumerate(chosen):
+        grid = grids[indexes]
+        positions[m] = mrope_positions(model_config, tokens[m], grid, segment_ids[m])
+        layout = vision_layout(vision, grid, bucket)
+        out["rotary_positions"][m], out["window_segments"][m], out["full_segments"][m] = layout
+        if indexes:
+            out["pixel_values"][m, :int(sizes[indexes].sum())] = np.concatenate(
+                [pixels[starts[i]:starts[i + 1]] for i in indexes])
+    return positions, VisionRows(**out)
 
 
 def unpack_rows(packed: np.ndarray, batch: UpdateBatch) -> np.ndarray:

@@ -23,8 +23,8 @@ from agentfly_jax.envs.manager import PoolConfig, ResourceManager
 from agentfly_jax.envs.spec import EnvSpec, load_env_spec
 from agentfly_jax.rewards.decorator import REWARD_REGISTRY, Reward
 from agentfly_jax.tools.decorator import TOOL_REGISTRY, Tool
-from agentfly_jax.models import (CausalLM, ModelConfig, ValueModel, init_params, load_pretrained, lora,
-                                 save_pretrained)
+from agentfly_jax.models import (CausalLM, ModelConfig, Qwen2_5_VLCausalLM, ValueModel, VisionConfig, init_params,
+                                 load_pretrained, lora, save_pretrained)
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
@@ -185,23 +185,95 @@ def build_tokenizer(cfg: TrainConfig, setup: TaskSetup, workdir: str):
 
 
 # ------------------------------------------------------------------------------------------------ models
-def build_policy(cfg: TrainConfig, tokenizer) -> tuple[CausalLM, Any]:
+def build_policy(cfg: TrainConfig, tokenizer) -> tuple[CausalLM | Qwen2_5_VLCausalLM, Any]:
+    """The policy and its parameters: the checkpoint at `model.hf_path` (a Qwen2.5-VL checkpoint gives a
+    `Qwen2_5_VLCausalLM`), or a random-initialised model of the config's shape (`model.family="qwen2_5_vl"`: a
+    vision-language one, its special token ids the tokenizer's)."""
     m = dataclasses.asdict(cfg.model)
     hf_path = m.pop("hf_path")
     dtype = m.pop("dtype")
     param_dtype = m.pop("param_dtype") or dtype
+    vision, mrope_section = m.pop("vision"), m.pop("mrope_section")
     overrides = {k: m.pop(k) for k in ("remat", "attention_impl", "lora_rank", "lora_alpha", "lora_targets")}
     if hf_path:
         model, params = load_pretrained(hf_path, dtype=dtype, param_dtype=param_dtype, **overrides)
         if model.config.vocab_size < len(tokenizer):
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab is "
                              f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+        if model.config.vision is not None:
+            _check_vision_tokens(model.config.vision, tokenizer, hf_path)
         if model.config.lora_rank:  # the checkpoint is the frozen base: fresh adapters beside it
             params = lora.lora_init_fn(model)(params, jax.random.PRNGKey(cfg.seed + 17))
         return model, params
     m["vocab_size"] = m["vocab_size"] or len(tokenizer)
-    model = CausalLM(ModelConfig(**m, dtype=dtype, param_dtype=param_dtype, **overrides))
+    if m["family"] != "qwen2_5_vl":
+        model = CausalLM(ModelConfig(**m, dtype=dtype, param_dtype=param_dtype, **overrides))
+        return model, init_params(model, jax.random.PRNGKey(cfg.seed))
+    head_dim = m["hidden_size"] // m["num_heads"]
+    vision_config = VisionConfig(**vision, out_hidden_size=m["hidden_size"], patch_size=14, temporal_patch_size=2,
+                                 spatial_merge_size=2, **vision_token_ids(tokenizer))
+    model = Qwen2_5_VLCausalLM(ModelConfig(**m, dtype=dtype, param_dtype=param_dtype, vision=vision_config,
+                                           mrope_section=mrope_section or default_mrope_section(head_dim),
+                                           **overrides))
     return model, init_params(model, jax.random.PRNGKey(cfg.seed))
+
+
+#: The Qwen2-VL special tokens a vision-language policy's tokenizer holds, by VisionConfig field.
+VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """{VisionConfig field: id} of the tokenizer's Qwen2-VL special tokens; a ConfigError naming those it lacks."""
+    getter = getattr(tokenizer, "get_added_vocab", None)
+    added = dict(getter()) if getter else {}
+    missing = [token for token in VISION_TOKENS.values() if token not in added]
+    if missing:
+        raise ConfigError(f"a vision-language policy (config.model.family='qwen2_5_vl') needs a tokenizer with the "
+                          f"Qwen2-VL tokens, and this one lacks {', '.join(missing)}: use config.tokenizer.kind="
+                          "'qwen2.5' or a Qwen2-VL / Qwen2.5-VL tokenizer (config.tokenizer.path)")
+    return {field: int(added[token]) for field, token in VISION_TOKENS.items()}
+
+
+def _check_vision_tokens(vision: VisionConfig, tokenizer, hf_path: str) -> None:
+    """The checkpoint's image token must be the tokenizer's `<|image_pad|>` (the rollout expands that token)."""
+    ids = vision_token_ids(tokenizer)
+    if ids["image_token_id"] != vision.image_token_id:
+        raise ConfigError(f"the checkpoint at {hf_path} reads images at token id {vision.image_token_id} but the "
+                          f"tokenizer's <|image_pad|> is {ids['image_token_id']}: use the checkpoint's own tokenizer")
+
+
+def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """mRoPE's split of head_dim / 2 rotary frequencies into (temporal, height, width): a quarter temporal, the
+    rest shared by height and width, as Qwen2.5-VL's (16, 24, 24) for head_dim 128."""
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return temporal + (half - temporal) % 2, height, height
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` takes images (a Qwen2.5-VL policy)."""
+    return getattr(model.config, "vision", None) is not None
+
+
+def check_vision_critic(policy, needs_critic: bool) -> None:
+    """No critic beside a vision-language policy: the value model is a text model and would not see the images."""
+    if needs_critic and is_vision_language(policy):
+        raise ConfigError("the policy is a vision-language model (Qwen2.5-VL) and the algorithm trains a critic, "
+                          "which would not see the images: use a critic-free algorithm (grpo, rloo, reinforce_pp, ...)")
+
+
+def check_vision_agent(policy, agent) -> None:
+    """A vision-language policy trains on the agent's images: the agent must cut them into the tower's patches."""
+    if not is_vision_language(policy):
+        return
+    vision, settings = policy.config.vision, agent.image_settings
+    tower = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+    agent_geometry = (settings.patch_size, settings.temporal_patch_size, settings.merge_size)
+    if tower != agent_geometry:
+        raise ConfigError(f"the policy's vision tower reads patches of (size, temporal, merge) {tower} but the agent "
+                          f"cuts images into {agent_geometry}: images would not match the tower's input")
 
 
 def serving_view(policy: CausalLM):
@@ -210,7 +282,7 @@ def serving_view(policy: CausalLM):
     if not policy.config.lora_rank:
         return policy, lambda params: params
     scale = policy.config.lora_scale
-    return CausalLM(policy.config.replace(lora_rank=0)), jax.jit(lambda params: lora.merge_lora(params, scale))
+    return type(policy)(policy.config.replace(lora_rank=0)), jax.jit(lambda params: lora.merge_lora(params, scale))
 
 
 def critic_from_policy(policy: CausalLM, policy_params) -> tuple[ValueModel, Any]:

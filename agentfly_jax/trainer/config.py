@@ -80,9 +80,30 @@ class TokenizerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionSection:
+    """The vision tower of a random-initialised Qwen2.5-VL policy (`model.family="qwen2_5_vl"` without
+    `model.hf_path`; a checkpoint brings its own). Its patch geometry is Qwen2.5-VL's (14-pixel patches, 2 frames
+    deep, 2 x 2 patches merged into one token), the one the rollout's image processing cuts images into; its output
+    size is the language model's `model.hidden_size`. Defaults: a tiny tower for plumbing runs."""
+
+    depth: int = knob(2, *POSITIVE)
+    hidden_size: int = knob(64, *POSITIVE)
+    intermediate_size: int = knob(128, *POSITIVE)
+    # the head dim (hidden_size / num_heads) must be a multiple of 4: the 2-D rotary embedding turns a quarter of
+    # it with the patch's row and a quarter with its column
+    num_heads: int = knob(2, *POSITIVE)
+    # side of the attention windows in pixels (a multiple of 28, one merged token); blocks in
+    # fullatt_block_indexes attend over the whole image instead
+    window_size: int = knob(112, lambda v: v >= 28, ">= 28 (one merged token is 28 pixels)")
+    fullatt_block_indexes: tuple[int, ...] = knob((1,), lambda v: all(i >= 0 for i in v), "block indexes >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     hf_path: str = ""  # start from this HF checkpoint (the fields below then come from it)
-    family: str = knob("qwen2", *_one_of("qwen2", "llama"))
+    # "qwen2_5_vl": a vision-language policy (Qwen2.5-VL: `vision` below, mRoPE); a checkpoint of
+    # Qwen2_5_VLForConditionalGeneration at hf_path is one whatever this says
+    family: str = knob("qwen2", *_one_of("qwen2", "llama", "qwen2_5_vl"))
     hidden_size: int = knob(128, *POSITIVE)
     intermediate_size: int = knob(384, *POSITIVE)
     num_layers: int = knob(2, *POSITIVE)
@@ -110,6 +131,12 @@ class ModelSection:
                                                                              "gate_proj", "up_proj", "down_proj"},
                                          "a non-empty subset of q_proj k_proj v_proj o_proj gate_proj up_proj "
                                          "down_proj")
+    # family "qwen2_5_vl" only: the vision tower, and how mRoPE splits the head_dim / 2 rotary frequencies between
+    # the temporal, height and width positions (None: a quarter temporal, the rest halved, e.g. Qwen2.5-VL's
+    # (16, 24, 24) for head_dim 128)
+    vision: VisionSection = knob(factory=VisionSection)
+    mrope_section: tuple[int, int, int] | None = knob(None, lambda v: v is None or min(v) > 0,
+                                                      "None or three positive sizes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,10 +489,44 @@ class TrainConfig:
         if dist.num_processes == 1 and dist.coordinator_address:
             raise ConfigError("config.distributed.coordinator_address has no effect with num_processes=1 (one "
                               "process starts no coordinator): unset one of them")
+        self._check_model()
         longest = self.agent.max_context_tokens
         if longest > max(self.seq_buckets):
             raise ConfigError(f"config.agent.max_context_tokens={longest} does not fit the largest of "
                               f"config.seq_buckets={self.seq_buckets}: raise the buckets or lower the context")
+
+    def _check_model(self) -> None:
+        """The random-initialised policy's shape (a checkpoint at model.hf_path brings its own)."""
+        m = self.model
+        if m.hf_path:
+            return
+        if m.family != "qwen2_5_vl":
+            if m.mrope_section is not None:
+                raise ConfigError(f"config.model.mrope_section applies to family 'qwen2_5_vl' (a vision-language "
+                                  f"policy) only; config.model.family={m.family!r}: unset it")
+            return
+        heads = m.num_heads
+        if m.hidden_size % heads or (m.head_dim is not None and m.head_dim != m.hidden_size // heads):
+            raise ConfigError(f"config.model.hidden_size={m.hidden_size} with num_heads={heads} and head_dim="
+                              f"{m.head_dim}: Qwen2.5-VL's head dim is hidden_size / num_heads (a whole number); "
+                              "leave head_dim unset")
+        if not m.qkv_bias:
+            raise ConfigError("config.model.qkv_bias=False: Qwen2.5-VL's language model always has qkv biases; "
+                              "set it to True")
+        half = m.hidden_size // heads // 2
+        if m.mrope_section is not None and sum(m.mrope_section) != half:
+            raise ConfigError(f"config.model.mrope_section={m.mrope_section} must sum to head_dim / 2 = {half}")
+        v = m.vision
+        if v.hidden_size % v.num_heads or (v.hidden_size // v.num_heads) % 4:
+            raise ConfigError(f"config.model.vision.hidden_size={v.hidden_size} with num_heads={v.num_heads}: the "
+                              "head dim (hidden_size / num_heads) must be a whole multiple of 4")
+        if any(i >= v.depth for i in v.fullatt_block_indexes):
+            raise ConfigError(f"config.model.vision.fullatt_block_indexes={v.fullatt_block_indexes} name blocks "
+                              f"past the tower's depth={v.depth} (blocks are 0..{v.depth - 1})")
+        if self.resolved_algorithm().recipe.needs_critic:
+            raise ConfigError(f"config.algorithm={self.algorithm!r} trains a critic, which would not see the images "
+                              "of a vision-language policy (config.model.family='qwen2_5_vl'): use a critic-free "
+                              "algorithm (grpo, rloo, reinforce_pp, ...)")
 
     def overlong_max_len(self) -> int:
         """The length at which DAPO's overlong penalty reaches its full size (sampled tokens of a chain)."""

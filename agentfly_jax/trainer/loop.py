@@ -35,6 +35,7 @@ from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
+from agentfly_jax.rollout.trajectory import Trajectory, images_to_batch
 from agentfly_jax.trainer import builders, distributed
 from agentfly_jax.trainer.async_rollouts import RolloutProducer, ThreadedRunner, staleness_filter
 from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_bucket, drop_failed_chains,
@@ -153,6 +154,7 @@ def setup(config, workdir: str | None = None) -> Run:
     tokenizer = builders.build_tokenizer(cfg, task_setup, workdir)
     train_tasks, eval_tasks = builders.build_tasks(cfg, task_setup)
     policy, policy_params = builders.build_policy(cfg, tokenizer)
+    builders.check_vision_critic(policy, alg.needs_critic)
 
     # --- Create optimizers & state; shard & transfer ----------------------------------------------
     mesh, rules = builders.build_mesh(cfg), builders.sharding_rules(cfg)
@@ -187,6 +189,7 @@ def setup(config, workdir: str | None = None) -> Run:
     try:
         env_manager = builders.build_env_manager(task_setup)
         agent = builders.build_agent(cfg, task_setup, backend, tokenizer, env_provider=env_manager)
+        builders.check_vision_agent(policy, agent)
         writer = MetricWriter(os.path.join(workdir, "tensorboard"))
         checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
                                     keep=cfg.checkpoint.keep)
@@ -210,15 +213,14 @@ def run_sft(run: Run) -> dict:
     cfg = run.config
     stages = [(steps, [encode_conversation(run.tokenizer, _as_agent_prompts(run.agent, m),
                                            tools=run.agent.template_tools(),
-                                           chat_template=cfg.chat_template or None)
+                                           chat_template=cfg.chat_template or None,
+                                           image_settings=run.agent.image_settings)
                        for m in demos])
               for steps, demos in builders.sft_conversations(cfg, run.task_setup, run.train_tasks, run.tokenizer)]
     longest = max(cfg.seq_buckets)
     for i, (stage_steps, encoded) in enumerate(stages):
         if cfg.sft.cut_long:
-            encoded = [e if len(e.token_ids) <= longest else
-                       dataclasses.replace(e, token_ids=e.token_ids[:longest], action_mask=e.action_mask[:longest])
-                       for e in encoded]
+            encoded = [e if len(e.token_ids) <= longest else _cut_encoded(run, e, longest) for e in encoded]
         fitting = [e for e in encoded if len(e.token_ids) <= longest]
         if len(fitting) < len(encoded):
             log.warning("sft stage %d: %d of %d demonstrations are longer than the largest bucket (%d tokens) and "
@@ -245,14 +247,16 @@ def run_sft(run: Run) -> dict:
                              "demonstrations: lower the batch size or add demonstrations")
         for _ in range(stage_steps):
             chosen = [encoded[j] for j in rng.choice(len(encoded), size=cfg.sft.batch_size, replace=False)]
-            batch = _pack(run, [e.token_ids for e in chosen], [e.action_mask for e in chosen])
+            batch, image_metrics = _pack(run, [e.token_ids for e in chosen], [e.action_mask for e in chosen],
+                                         [e.images for e in chosen])
             with _mesh_context(run):
                 state, metrics = step_fn(state, take_minibatch(_put_batch(run, batch).rows, 0))
             step += 1
             bar.update()
             unchecked.append((step, metrics["sft/nonfinite"]))
             if step % cfg.log_every == 0:
-                run.writer.scalars(step, jax.device_get(metrics))
+                run.writer.scalars(step, {**jax.device_get(metrics),
+                                          **{k.replace("update/", "sft/"): v for k, v in image_metrics.items()}})
             if step % cfg.log_every == 0 or step == total:
                 for at, skipped in zip([s for s, _ in unchecked], jax.device_get([v for _, v in unchecked])):
                     guard.observe(float(skipped), "sft", at, 1)
@@ -275,8 +279,32 @@ def _as_agent_prompts(agent, messages: list[dict]) -> list[dict]:
     if messages and messages[0].get("role") == "system":
         return list(messages)
     question = next((m.get("content") for m in messages if m.get("role") == "user"), "")
+    if isinstance(question, list):  # content parts (images and text): the question is the text
+        question = "".join(p.get("text", "") for p in question if isinstance(p, dict) and p.get("type") == "text")
     system = agent.system_message({"question": question})
     return ([{"role": "system", "content": system}] if system else []) + list(messages)
+
+
+def _cut_encoded(run: Run, encoded, length: int):
+    """A demonstration cut to its first `length` tokens (config.sft.cut_long), with the images whose tokens are
+    kept whole; a cut through an image's tokens moves back to before them (half an image cannot be read)."""
+    if not encoded.images:
+        return dataclasses.replace(encoded, token_ids=encoded.token_ids[:length],
+                                   action_mask=encoded.action_mask[:length])
+    pad = builders.vision_token_ids(run.tokenizer)["image_token_id"]
+    ids = np.asarray(encoded.token_ids)
+    pad_at = np.flatnonzero(ids == pad)  # the images' token runs, one after another in order
+    kept, end = [], length
+    used = 0
+    for image in encoded.images:
+        first, last = int(pad_at[used]), int(pad_at[used + image.num_tokens - 1])
+        used += image.num_tokens
+        if last < length:
+            kept.append(image)
+        else:
+            end = min(end, first)
+    return dataclasses.replace(encoded, token_ids=encoded.token_ids[:end], action_mask=encoded.action_mask[:end],
+                               images=kept)
 
 
 # ========================================================================================== evaluation
@@ -513,7 +541,8 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     overlong shaping's)."""
     cfg = run.config
     arrays = trajectories_to_batch(trajectories, pad_to=choose_bucket(max(t.length for t in trajectories),
-                                                                       cfg.seq_buckets))
+                                                                       cfg.seq_buckets),
+                                   image_token_id=_image_token_id(run))
     shaping = overlong_shaping(run, arrays)
     # fewer trajectories than mini-batches (failed chains were dropped): no empty mini-batch (Adam's momentum
     # would move the parameters on its zero gradient)
@@ -526,10 +555,10 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
                       rewards=arrays["rewards"], group_ids=arrays["group_ids"], minibatch=minibatch,
                       num_minibatches=mini_batches, micro_batches=cfg.rl.micro_batches,
                       rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
-                      micro_batch_tokens=cfg.rl.micro_batch_tokens)
+                      micro_batch_tokens=cfg.rl.micro_batch_tokens, **_image_arrays(run, arrays))
     with _mesh_context(run):
         batch, metrics = run.prepare_fn(run.state, _put_batch(run, batch))
-    return batch, {**metrics, **shaping}
+    return batch, {**metrics, **shaping, **_image_metrics(arrays, batch)}
 
 
 def update(run: Run, batch: UpdateBatch, step: int) -> dict:
@@ -571,7 +600,15 @@ def rollout_metrics(run: Run, trajectories) -> dict:
             "rollout/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
             "rollout/response_tokens_mean": float(np.mean([t.num_action_tokens for t in trajectories])),
             "rollout/reward_failures": float(sum("reward_failed" in t.flags for t in trajectories)),
-            **_engine_metrics(run)}
+            **_rollout_image_metrics(trajectories), **_engine_metrics(run)}
+
+
+def _rollout_image_metrics(trajectories) -> dict:
+    """Images the sampled chains saw (prompts and tool observations), for chains with images; none otherwise."""
+    counts = [len(t.images) for t in trajectories]
+    if not any(counts):
+        return {}
+    return {"rollout/images": float(sum(counts)), "rollout/images_mean": float(np.mean(counts))}
 
 
 def _engine_metrics(run: Run) -> dict:
@@ -761,8 +798,9 @@ def _rows_multiple(run: Run, row_len: int) -> int:
     return data_parallel * max(1, -(-per_micro // data_parallel))
 
 
-def _pack(run: Run, token_ids: list, action_masks: list) -> UpdateBatch:
-    """SFT conversations -> a one-mini-batch UpdateBatch (no rewards or groups)."""
+def _pack(run: Run, token_ids: list, action_masks: list, images: list | None = None) -> tuple[UpdateBatch, dict]:
+    """SFT conversations (and their images, `Encoded.images`) -> (a one-mini-batch UpdateBatch (no rewards or
+    groups), its image scalars)."""
     lengths = np.array([len(t) for t in token_ids], np.int32)
     t = choose_bucket(int(lengths.max()), run.config.seq_buckets)
     tokens = np.zeros((len(token_ids), t), np.int32)
@@ -770,9 +808,41 @@ def _pack(run: Run, token_ids: list, action_masks: list) -> UpdateBatch:
     for i, (ids, m) in enumerate(zip(token_ids, action_masks)):
         tokens[i, :len(ids)], mask[i, :len(m)] = ids, m
     n = len(token_ids)
-    return pack_step(tokens, mask, np.zeros_like(mask), lengths, rewards=np.zeros(n), group_ids=np.arange(n),
-                     minibatch=np.zeros(n, np.int32), num_minibatches=1, micro_batches=run.config.rl.micro_batches,
-                     rows_multiple=_rows_multiple(run, t), micro_batch_tokens=run.config.rl.micro_batch_tokens)
+    arrays = {}
+    if images is not None and any(images):  # the batch layout of rollouts, through the same packing
+        arrays = images_to_batch([Trajectory(ids, m, [0.0] * len(ids), images=list(own))
+                                  for ids, m, own in zip(token_ids, action_masks, images)],
+                                 image_token_id=_image_token_id(run))
+    batch = pack_step(tokens, mask, np.zeros_like(mask), lengths, rewards=np.zeros(n), group_ids=np.arange(n),
+                      minibatch=np.zeros(n, np.int32), num_minibatches=1, micro_batches=run.config.rl.micro_batches,
+                      rows_multiple=_rows_multiple(run, t), micro_batch_tokens=run.config.rl.micro_batch_tokens,
+                      **_image_arrays(run, arrays))
+    return batch, _image_metrics(arrays, batch)
+
+
+def _image_token_id(run: Run) -> int | None:
+    """The policy's image pad token (a vision-language policy), against which batches check their images."""
+    vision = getattr(run.policy.config, "vision", None)
+    return None if vision is None else vision.image_token_id
+
+
+def _image_arrays(run: Run, arrays: dict) -> dict:
+    """pack_step's image arguments for a batch with images (`images_to_batch`'s keys in `arrays`), else {}."""
+    if "image_grid_thw" not in arrays:
+        return {}
+    return {"images": {k: arrays[k] for k in ("pixel_values", "image_grid_thw", "image_rows")},
+            "model_config": run.policy.config}
+
+
+def _image_metrics(arrays: dict, batch: UpdateBatch) -> dict:
+    """Scalars of a batch's images: how many, their patches, and the patch rows the vision tower ran on (all
+    micro-batches, padding included); none for a text-only batch."""
+    if "image_grid_thw" not in arrays:
+        return {}
+    pixels = batch.rows.vision.pixel_values
+    return {"update/images": float(len(arrays["image_grid_thw"])),
+            "update/image_patches": float(np.prod(arrays["image_grid_thw"], axis=1).sum()),
+            "update/image_patch_rows": float(np.prod(pixels.shape[:-1]))}
 
 
 def _put_batch(run: Run, batch: UpdateBatch) -> UpdateBatch:
@@ -780,8 +850,12 @@ def _put_batch(run: Run, batch: UpdateBatch) -> UpdateBatch:
     the per-trajectory view replicated."""
     rows_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, None, ("data", "fsdp")))
     replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
-    shardings = batch.replace(rows=jax.tree.map(lambda _: rows_sharding, batch.rows),
-                              pack_index=rows_sharding, rewards=replicated, group_ids=replicated,
+    rows = jax.tree.map(lambda _: rows_sharding, batch.rows.replace(vision=None))
+    if batch.rows.vision is not None:  # mRoPE positions [K, M, 3, R, L]; each micro-batch's images whole everywhere
+        positions = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, None, None,
+                                                                                    ("data", "fsdp")))
+        rows = rows.replace(positions=positions, vision=jax.tree.map(lambda _: replicated, batch.rows.vision))
+    shardings = batch.replace(rows=rows, pack_index=rows_sharding, rewards=replicated, group_ids=replicated,
                               minibatch=replicated, lengths=replicated, unpack_index=replicated)
     return jax.device_put(batch, shardings)
 

@@ -29,17 +29,25 @@ def _shift_right(x):
     return jnp.pad(x, ((0, 0), (1, 0)))
 
 
+def _vision_inputs(rows: PackedRows) -> dict:
+    """The vision-language policy's image arguments for a micro-batch with images ({} without)."""
+    if rows.vision is None:
+        return {}
+    return {"pixel_values": rows.vision.pixel_values, "vision_layout": rows.vision.layout()}
+
+
 def token_logprobs(model: CausalLM, params, rows: PackedRows, *, temperature=1.0, chunk=None):
     """(logprobs [R, L], entropy [R, L]) of each token given the tokens before it in its segment (fp32).
 
     Token 0 of a row and the first token of each packed segment get values that callers must mask out
-    (they are never action tokens: a trajectory starts with its prompt).
+    (they are never action tokens: a trajectory starts with its prompt). A vision-language policy
+    (`Qwen2_5_VLCausalLM`) reads the micro-batch's images (`rows.vision`) at its image tokens, with mRoPE positions.
     """
     hidden = model.apply({"params": params}, rows.tokens, rows.positions, rows.segment_ids,
-                         method=CausalLM.hidden_states)  # [R, L, E]
+                         method=type(model).hidden_states, **_vision_inputs(rows))  # [R, L, E]
 
     def logits_fn(h):
-        return model.apply({"params": params}, h, method=CausalLM.logits_from_hidden)
+        return model.apply({"params": params}, h, method=type(model).logits_from_hidden)
 
     logprobs, entropy = algorithms.token_logprobs_and_entropy(
         hidden[:, :-1], rows.tokens[:, 1:], logits_fn, temperature=temperature, chunk_size=chunk)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import abc
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
+from os import PathLike
 from typing import Any
+
+import numpy as np
 
 from agentfly_jax.rewards.decorator import Reward, as_reward
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
@@ -28,6 +31,29 @@ Message = dict[str, Any]
 
 # End-of-turn / end-of-text tokens of the supported families; those the tokenizer knows are stop tokens.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+
+def task_images(task: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The image content parts of a row's `images` field, in order ([] when the row has none).
+
+    `images` is a sequence (a list, a tuple, or any sequence type such as a lazily rendered one: it is
+    iterated, not required to be a list) whose items are images (PIL images, numpy arrays, paths, bytes, data
+    URLs: whatever `rollout.images.load_image` takes) or ready image content parts; a single image (a string,
+    bytes, a path, an array, a PIL image, a content part) stands for a sequence of one. The images are not
+    loaded here: the chain's encoder loads and resizes them once for all of a task's chains."""
+    images = task.get("images")
+    if images is None:
+        return []
+    if isinstance(images, (str, bytes, PathLike, Mapping, np.ndarray)) or not isinstance(images, Iterable):
+        images = [images]  # one image, not a sequence of them (an array or a string is iterable too)
+    parts = []
+    for index, image in enumerate(images):
+        if image is None:
+            raise ValueError(f"the row's images[{index}] is None; give an image (PIL image, array, path, bytes) or "
+                             "leave it out of the row's images")
+        is_part = isinstance(image, Mapping) and image.get("type") in ("image", "image_url")
+        parts.append(dict(image) if is_part else {"type": "image", "image": image})
+    return parts
 
 
 class BaseAgent(abc.ABC):
@@ -159,13 +185,21 @@ class BaseAgent(abc.ABC):
     # ----------------------------------------------------------------------------------------------
 
     def build_messages(self, task: Mapping[str, Any]) -> list[Message]:
-        """The conversation a chain starts from: the system prompt (if any) and the task's question."""
+        """The conversation a chain starts from: the system prompt (if any) and the task's question.
+
+        A row with `images` (a sequence of images, or one image) shows them before the question: the user
+        message is then content parts, the images in order and the question's text last (`task_images`)."""
         question = task["question"]
         messages: list[Message] = []
         system = self.system_message(task)
         if system:
             messages.append({"role": "system", "content": system})
-        messages.append({"role": "user", "content": question})
+        images = task_images(task)
+        if images:
+            content: Any = [*images, {"type": "text", "text": question}]
+        else:
+            content = question
+        messages.append({"role": "user", "content": content})
         return messages
 
     def system_message(self, task: Mapping[str, Any]) -> str | None:
