@@ -8,13 +8,14 @@ values (`pixel_inputs`, itself checked against transformers' image processor in 
 """
 import asyncio
 
+import jax
 import numpy as np
 import PIL.Image
 import pytest
 import torch
 import transformers
 
-from agentfly_jax.models import load_pretrained
+from agentfly_jax.models import load_pretrained, mrope_positions, pad_patches, vision_layout
 from agentfly_jax.rollout.agents import ToolCallingAgent
 from agentfly_jax.rollout.backends import JaxSampler
 from agentfly_jax.rollout.images import ImageSettings, PreparedImage, pixel_inputs, prepare_image
@@ -111,18 +112,31 @@ def hf_greedy(hf_model, prompt, images, new_tokens):
     return tokens, logprobs
 
 
+_FORWARD = {}
+
+
 def flax_logprobs(model, params, token_ids, images, temperature):
     """log_softmax(logits / T) of every token after the first, from one forward of the Flax model with the pixel
-    inputs (it computes the mRoPE positions and vision layout from the grids itself)."""
-    ids = np.asarray([token_ids])
-    kw = {}
+    inputs: the trainer's view of the sequence. Tokens are padded at the end to a multiple of 128 and patches to
+    256 (neither reaches a real token: attention is causal and padded patches attend only among themselves), so
+    one compiled forward serves most sequences."""
+    length = -(-len(token_ids) // 128) * 128
+    ids = np.zeros((1, length), np.int32)
+    ids[0, :len(token_ids)] = token_ids
+    vision = {}
+    grid = None
     if images:
         pixel_values, grid = pixel_inputs(images)
-        kw = {"pixel_values": pixel_values, "image_grid_thw": grid}
-    logits = np.asarray(model.apply({"params": params}, ids, **kw))[0, :-1].astype(np.float64) / temperature
-    shifted = logits - logits.max(-1, keepdims=True)
+        vision = {"pixel_values": pad_patches(pixel_values, 256),
+                  "vision_layout": vision_layout(model.config.vision, grid, 256)}
+    positions = mrope_positions(model.config, ids, grid)
+    if id(model) not in _FORWARD:  # the module is not hashable: close over it
+        _FORWARD[id(model)] = (model, jax.jit(lambda p, i, pos, **kw: model.apply({"params": p}, i, pos, **kw)))
+    logits = np.asarray(_FORWARD[id(model)][1](params, ids, positions, **vision))[0, :len(token_ids) - 1]
+    scaled = logits.astype(np.float64) / temperature
+    shifted = scaled - scaled.max(-1, keepdims=True)
     logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    return logprobs[np.arange(len(token_ids) - 1), ids[0, 1:]]
+    return logprobs[np.arange(len(token_ids) - 1), ids[0, 1:len(token_ids)]]
 
 
 def generate(sampler, prompt, images, **options):
@@ -181,11 +195,14 @@ def test_concurrent_prompts_with_different_images_each_equal_transformers(checkp
         assert_equals_transformers(hf_model, prompt, images, completion, 5)
 
 
-def test_text_only_prompt_on_the_vision_model_equals_transformers_and_the_decoder(checkpoint, tokenizer, sampler):
+def test_text_only_prompt_on_the_vision_model_equals_transformers(checkpoint, tokenizer, sampler):
+    """A prompt without images takes the text path (the decoder's prompt pass, rotary offset 0)."""
     hf_model, model, params = checkpoint
     prompt, images = user_prompt(tokenizer, ["No picture in this one."])
     assert images == []
+    encoded_before = sampler.stats["images"]
     [completion] = generate(sampler, prompt, [], max_tokens=6, temperature=0.0)
+    assert sampler.stats["images"] == encoded_before and sampler.compile_counts["prefill"] >= 1
     assert_equals_transformers(hf_model, prompt, [], completion, 6)
     np.testing.assert_allclose(completion.logprobs,
                                flax_logprobs(model, params, prompt + completion.token_ids, [], 1.0)[-6:],
@@ -223,6 +240,8 @@ def test_compiles_one_prompt_pass_per_length_and_patch_bucket(checkpoint, tokeni
     assert asyncio.run(run([wide_longer, wide, text]))["prefill_images"] == 1
     counts = asyncio.run(run([square, wide]))
     assert counts["prefill_images"] == 2 and counts["prefill"] == 1
+    # one slot insert per prompt bucket (the text prompt's is shorter) and one decode program, images or not
+    assert counts["insert"] == 2 and counts["decode"] == 1
     assert sampler.stats["images"] == 6  # every pass encodes its prompts' images
     asyncio.run(sampler.close())
 
