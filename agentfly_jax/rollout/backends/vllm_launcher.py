@@ -29,8 +29,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,8 @@ class LocalVLLMServers:
             log.info("starting a vLLM server for %s on port %d", self.model_dir, port)
             try:
                 proc = subprocess.run(["bash", str(_SCRIPTS / "start_vllm.sh"), self.model_dir, str(port),
-                                       *self.extra_args], env=self._env(), capture_output=True, text=True)
+                                       *self.extra_args], env=self._env(), capture_output=True, text=True,
+                                      check=False)
             except BaseException:
                 self.stop()
                 raise
@@ -206,11 +208,11 @@ class LocalVLLMServers:
         ports, self.ports = self.ports, []
         for port in ports:
             proc = subprocess.run(["bash", str(_SCRIPTS / "stop_vllm.sh"), str(port)], env=self._env(),
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 log.warning("stopping the vLLM server on port %d failed: %s", port, proc.stderr[-2000:])
 
-    def __enter__(self) -> "LocalVLLMServers":
+    def __enter__(self) -> Self:
         self.start()
         return self
 
