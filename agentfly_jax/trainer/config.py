@@ -174,6 +174,10 @@ class JaxSamplerSection:
     steps_per_call: int = knob(8, *POSITIVE)
     prefill_tokens: int = knob(8192, *POSITIVE)
     min_bucket: int = knob(16, *POSITIVE)
+    # vision-language policies: image patches per prompt pass (the vision tower attends densely over a pass's
+    # patches), and the smallest patch bucket (a power of two) of a pass with images
+    prefill_patches: int = knob(8192, *POSITIVE)
+    min_patch_bucket: int = knob(256, lambda v: v > 0 and v & (v - 1) == 0, "a power of two")
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False

@@ -12,7 +12,11 @@
 - the tokenizer files, with the chat template used in training saved as the tokenizer's template
   (`chat_template.jinja`): the tokenizer's own template, the Jinja text given, or, for a named template such
   as "qwen2.5", its Jinja equivalent (`rollout.chat_templates`), which renders the text the Python renderer
-  rendered in training.
+  rendered in training;
+- for a vision-language policy (Qwen2.5-VL), `preprocessor_config.json`: the Qwen2-VL image processor with the
+  pixel range and patch geometry images were prepared with in training (`rollout.images.ImageSettings`), in the
+  layout of the released Qwen2.5-VL checkpoints, so transformers' `AutoProcessor` and vLLM cut images into the
+  same tokens.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any
 
 from agentfly_jax.models import save_pretrained
 from agentfly_jax.rollout.chat_templates import jinja_for_template
+from agentfly_jax.rollout.images import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSettings
 
 GENERATION_CONFIG_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
 
@@ -79,11 +84,26 @@ def save_tokenizer_with_template(tokenizer: Any, path: str, chat_template: str |
     return jinja
 
 
+def write_preprocessor_config(path: str, settings: ImageSettings) -> dict[str, Any]:
+    """`preprocessor_config.json` of the Qwen2-VL image processor with `settings` (the released checkpoints'
+    layout: min/max pixels, patch geometry, CLIP normalisation)."""
+    config = {"min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels,
+              "patch_size": settings.patch_size, "temporal_patch_size": settings.temporal_patch_size,
+              "merge_size": settings.merge_size, "image_mean": list(OPENAI_CLIP_MEAN),
+              "image_std": list(OPENAI_CLIP_STD), "do_convert_rgb": True, "do_resize": True, "do_rescale": True,
+              "rescale_factor": 1 / 255, "do_normalize": True, "image_processor_type": "Qwen2VLImageProcessor",
+              "processor_class": "Qwen2_5_VLProcessor"}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True)
+    return config
+
+
 def export_policy(model, params, tokenizer, path: str, *, stop_token_ids: Sequence[int],
-                  chat_template: str | None = None, dtype=None) -> None:
+                  chat_template: str | None = None, dtype=None, image_settings: ImageSettings | None = None) -> None:
     """Writes the policy (`model`, host `params`) with `tokenizer` to `path` as described in the module
     docstring. `stop_token_ids`: the agent's `stop_token_ids`; `chat_template`: what training passed as
-    `chat_template` ("qwen2.5", "llama3", Jinja text, or None for the tokenizer's own)."""
+    `chat_template` ("qwen2.5", "llama3", Jinja text, or None for the tokenizer's own); `image_settings`: how a
+    vision-language policy's images were prepared (default: the processor's defaults)."""
     save_pretrained(model, params, path, dtype=dtype)
     config_file = os.path.join(path, "config.json")
     with open(config_file) as fh:
@@ -93,3 +113,5 @@ def export_policy(model, params, tokenizer, path: str, *, stop_token_ids: Sequen
         json.dump(hf_config, fh, indent=2, sort_keys=True)
     write_generation_config(path, tokenizer, stop_token_ids)
     save_tokenizer_with_template(tokenizer, path, chat_template)
+    if getattr(model.config, "vision", None) is not None:
+        write_preprocessor_config(path, image_settings or ImageSettings())

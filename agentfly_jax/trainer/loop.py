@@ -707,7 +707,8 @@ def train(config, workdir: str | None = None) -> dict:
         final_dir = os.path.join(workdir, "final_policy")
         _check_finite(run.state.policy.params, "export the final policy")
         export_policy(run.serving_model, jax.device_get(run.serve_params(run.state.policy.params)), run.tokenizer,
-                      final_dir, stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None)
+                      final_dir, stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None,
+                      image_settings=run.agent.image_settings)
         summary = {"algorithm": cfg.algorithm, "environment": cfg.env.name or cfg.task.train_path,
                    "success_before": before.get("eval/success"), "success_after": after.get("eval/success"),
                    "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"),
