@@ -221,6 +221,28 @@ def test_sampled_logprobs_with_images_equal_the_flax_forward(checkpoint, tokeniz
         np.testing.assert_allclose(c.logprobs, expected, atol=TOL, rtol=0)
 
 
+def test_new_weights_reach_the_vision_tower_without_recompiling(checkpoint, tokenizer, sampler):
+    """update_weights swaps the vision tower's params too: the same prompt then samples from the new weights,
+    equal to the Flax forward with them, through the programs already compiled."""
+    _, model, params = checkpoint
+    prompt, images = user_prompt(tokenizer, ["wide", "What is in the picture?"])
+    [before] = generate(sampler, prompt, images, max_tokens=4, temperature=0.0)
+    compiles = dict(sampler.compile_counts)
+    changed = {**params, "visual": jax.tree.map(lambda p: p * 1.5, params["visual"])}
+
+    async def run():
+        await sampler.update_weights(changed, version=1)
+        [after] = await sampler.generate(prompt, images=images, max_tokens=4, temperature=0.0)
+        await sampler.update_weights(params, version=2)  # the other tests share this sampler
+        return after
+
+    after = asyncio.run(run())
+    assert dict(sampler.compile_counts) == compiles and after.weight_version == 1
+    expected = flax_logprobs(model, changed, prompt + after.token_ids, images, 1.0)[-4:]
+    np.testing.assert_allclose(after.logprobs, expected, atol=TOL, rtol=0)
+    assert np.abs(np.asarray(after.logprobs[:1]) - before.logprobs[:1]).max() > 1e-3
+
+
 # --------------------------------------------------------------------------------------------- compiles
 def test_compiles_one_prompt_pass_per_length_and_patch_bucket(checkpoint, tokenizer):
     _, model, params = checkpoint

@@ -223,7 +223,8 @@ class JaxSampler(GenerationBackend):
         self.prefill_tokens = int(prefill_tokens)
         self.weight_version = 0
         self.compile_counts: collections.Counter = collections.Counter()
-        # decode_calls, decode_steps, prefill_calls, tokens, weight_updates, interrupted_sequences, drain_wait_s, ...
+        # decode_calls, decode_steps, prefill_calls, images (encoded by prompt passes), tokens, weight_updates, ...
+        # interrupted_sequences, drain_wait_s, ...
         self.stats = collections.Counter()
         self._params = self._place_params(params, reference=None)
         self._rng = np.random.default_rng(seed)
