@@ -2,10 +2,12 @@
 from agentfly_jax.trainer.batch import (
     PackedRows,
     UpdateBatch,
+    VisionRows,
     assign_minibatches,
     choose_bucket,
     first_fit_decreasing,
     pack_step,
+    pack_vision,
     unpack_rows,
 )
 from agentfly_jax.trainer.config import ConfigError, TrainConfig, default_config
@@ -35,6 +37,7 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "UpdateBatch",
+    "VisionRows",
     "accumulate_gradients",
     "assign_minibatches",
     "choose_bucket",
@@ -47,6 +50,7 @@ __all__ = [
     "make_sft_step",
     "make_train_step",
     "pack_step",
+    "pack_vision",
     "state_shardings",
     "take_minibatch",
     "token_logprobs",

@@ -254,7 +254,16 @@ def default_mrope_section(head_dim: int) -> tuple[int, int, int]:
 
 def is_vision_language(model) -> bool:
     """Whether `model` takes images (a Qwen2.5-VL policy)."""
-    return getattr(model.config, "vision", None) is not None
+    return getattr(getattr(model, "config", None), "vision", None) is not None
+
+
+def agent_image_settings(cfg: TrainConfig):
+    """The image settings the agent prepares images with (`config.agent.min_pixels / max_pixels`, else the
+    processor's defaults), as `BaseAgent` builds them."""
+    from agentfly_jax.rollout.images import ImageSettings
+
+    pixels = {"min_pixels": cfg.agent.min_pixels, "max_pixels": cfg.agent.max_pixels}
+    return ImageSettings(**{k: v for k, v in pixels.items() if v is not None})
 
 
 def check_vision_critic(policy, needs_critic: bool) -> None:
@@ -343,11 +352,13 @@ def probe_vllm_servers(urls, timeout: float = 5.0) -> None:
                           f"{'; '.join(failures)}; start them (scripts/start_vllm.sh) or set config.vllm.launch=True")
 
 
-def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None):
+def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, tokenizer=None):
     """The rollout backend. With `backend="vllm"` and `vllm.launch=True`, the trainer starts
     `vllm.num_servers` local servers itself: the initial policy is written to `<workdir>/vllm_model` (the servers
     need a checkpoint of the policy's shape; the trained weights reach them by weight sync) and the servers are
-    stopped when the backend closes."""
+    stopped when the backend closes. A vision-language policy's directory also gets `tokenizer` and the image
+    processor's settings (`preprocessor_config.json`, the agent's min/max pixels): vLLM's image processing needs
+    both."""
     if cfg.backend == "jax":
         from agentfly_jax.rollout.backends import JaxSampler
 
@@ -371,6 +382,14 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None):
             raise ValueError("config.vllm.launch=True needs a workdir for the served checkpoint")
         model_dir = os.path.join(workdir, "vllm_model")
         save_pretrained(model, jax.device_get(params), model_dir)
+        if is_vision_language(model):
+            if tokenizer is None:
+                raise ValueError("serving a vision-language policy on launched vLLM servers needs its tokenizer: "
+                                 "pass tokenizer= to build_backend")
+            from agentfly_jax.trainer.export import write_preprocessor_config
+
+            tokenizer.save_pretrained(model_dir)
+            write_preprocessor_config(model_dir, agent_image_settings(cfg))
         servers = LocalVLLMServers(model_dir, v.num_servers, extra_args=server_args,
                                    run_dir=os.path.join(workdir, "vllm"))
         urls = servers.start()

@@ -183,7 +183,9 @@ def setup(config, workdir: str | None = None) -> Run:
     # asynchronous training (rl.max_staleness > 0): the event loop runs in its own thread so that chains go on
     # while the trainer updates (trainer/async_rollouts.py)
     serving_model, serve_params = builders.serving_view(policy)
-    backend = builders.build_backend(cfg, serving_model, serve_params(state.policy.params), workdir)
+    # a vision-language policy's launched vLLM servers read its tokenizer and image settings from the model directory
+    vision = {"tokenizer": tokenizer} if builders.is_vision_language(policy) else {}
+    backend = builders.build_backend(cfg, serving_model, serve_params(state.policy.params), workdir, **vision)
     runner = ThreadedRunner() if cfg.rl.max_staleness else asyncio.Runner()  # after the backend: nothing to leak
     env_manager = None
     try:
@@ -540,9 +542,10 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     (old/reference logprobs, values, advantages, loss weights); returns it with prepare's metrics (and the
     overlong shaping's)."""
     cfg = run.config
+    with_images = any(t.images for t in trajectories)
     arrays = trajectories_to_batch(trajectories, pad_to=choose_bucket(max(t.length for t in trajectories),
                                                                        cfg.seq_buckets),
-                                   image_token_id=_image_token_id(run))
+                                   image_token_id=_image_token_id(run) if with_images else None)
     shaping = overlong_shaping(run, arrays)
     # fewer trajectories than mini-batches (failed chains were dropped): no empty mini-batch (Adam's momentum
     # would move the parameters on its zero gradient)

@@ -92,3 +92,26 @@ def test_demonstrations_start_with_the_agents_rollout_prompt(cls, tokenizer, row
         assert encoded.token_ids[:len(prompt)] == prompt and sum(encoded.action_mask[:len(prompt)]) == 0
         assert encoded.images[0] == encoder.images[0]  # the same scene, prepared the same way
         assert len(encoded.images) == 1 + len(row["zoom_regions"])  # and one image per zoom
+
+
+def test_cut_long_demonstration_keeps_whole_images_only(tokenizer, rows):
+    """config.sft.cut_long: a cut through an image's tokens moves back before them, and that image is dropped."""
+    from types import SimpleNamespace
+
+    from agentfly_jax.trainer.loop import _cut_encoded
+
+    row = next(r for r in rows if r["zoom_regions"])
+    agent = _agent(ToolCallingAgent, tokenizer)
+    encoded = encode_conversation(tokenizer, _as_agent_prompts(agent, demonstration(row, use_tool=True,
+                                                                                      rng=random.Random(0))),
+                                  tools=agent.template_tools(), chat_template="qwen2.5",
+                                  image_settings=agent.image_settings)
+    run = SimpleNamespace(tokenizer=tokenizer)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pads = [i for i, t in enumerate(encoded.token_ids) if t == pad]
+    first_zoom = pads[encoded.images[0].num_tokens]  # where the zoom image's tokens start
+    inside = _cut_encoded(run, encoded, first_zoom + 2)
+    assert len(inside.token_ids) == len(inside.action_mask) == first_zoom and inside.images == encoded.images[:1]
+    after = _cut_encoded(run, encoded, first_zoom + encoded.images[1].num_tokens + 1)
+    assert len(after.token_ids) == first_zoom + encoded.images[1].num_tokens + 1 and after.images == encoded.images[:2]
+    assert after.token_ids == encoded.token_ids[:len(after.token_ids)]

@@ -131,3 +131,27 @@ def test_cpu_variant_trains_on_images_end_to_end(tmp_path):
     prepared = prepare_image(image, ImageSettings(min_pixels=56 * 56, max_pixels=56 * 56))
     assert out["image_grid_thw"].tolist() == [list(prepared.grid_thw)]
     np.testing.assert_allclose(out["pixel_values"], prepared.pixel_values(), atol=1e-5)
+
+
+def test_launched_vllm_servers_get_the_tokenizer_and_image_settings(tokenizer, tmp_path, monkeypatch):
+    """vLLM's image processing reads the tokenizer and preprocessor_config.json from the served directory."""
+    class Recorder:
+        def __init__(self, model_dir, num_servers, *, extra_args, run_dir):
+            self.model_dir = model_dir
+
+        def start(self):
+            return ["http://127.0.0.1:1"]
+
+    monkeypatch.setattr("agentfly_jax.rollout.backends.LocalVLLMServers", Recorder)
+    config = visual_scenes_grpo.get_config("cpu")
+    config.backend, config.vllm.launch = "vllm", True
+    cfg = TrainConfig.build(config)
+    model, params = builders.build_policy(cfg, tokenizer)
+    builders.build_backend(cfg, model, params, workdir=str(tmp_path), tokenizer=tokenizer)
+    served = tmp_path / "vllm_model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= set(os.listdir(served))
+    settings = json.loads((served / "preprocessor_config.json").read_text())
+    assert (settings["min_pixels"], settings["max_pixels"]) == (56 * 56, 56 * 56)
+    assert settings["image_processor_type"] == "Qwen2VLImageProcessor"
+    with pytest.raises(ValueError, match="needs its tokenizer"):
+        builders.build_backend(cfg, model, params, workdir=str(tmp_path / "again"))
