@@ -1,7 +1,8 @@
 """The update path of a vision-language policy (Qwen2.5-VL): trajectories with images, packed several to a row and
 split into micro-batches, reach the model with each micro-batch's own images and mRoPE positions, so the logprobs
 the trainer computes equal a direct forward of the Flax model on each trajectory alone (fp32); gradients reach the
-vision tower; patch buckets bound the compiled shapes; a text-only batch is packed as for a text policy."""
+vision tower; patch buckets bound the compiled shapes; a mesh gives what one device gives; a text-only batch is
+packed as for a text policy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +173,7 @@ def test_the_images_and_their_positions_matter(policy):
     assert np.abs(shifted - want[1:]).max() > 100 * TOL["atol"]
 
 
+@pytest.mark.slow
 def test_rl_update_with_images_trains_the_vision_tower(policy, prepare, step_batch):
     model, params = policy
     _, batch = step_batch
@@ -186,6 +188,7 @@ def _moved(new, old, part):
     return max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(new[part]), jax.tree.leaves(old[part])))
 
 
+@pytest.mark.slow
 def test_sft_on_demonstrations_with_images_reaches_the_tower_only_through_images(policy):
     """SFT steps on conversations with images lower the loss and move the vision tower; on text-only ones the
     tower gets no gradient and stays exactly as it was."""
@@ -247,3 +250,47 @@ def test_images_for_a_text_policy_or_a_bad_bucket_are_refused():
     with pytest.raises(ValueError, match="pad_patches_to=66 must hold a micro-batch's"):
         pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
                   model_config=CFG, pad_patches_to=66, **common)
+
+
+@pytest.mark.slow
+def test_sharded_prepare_and_update_with_images_equal_single_device(policy):
+    """The batch placed on a data x fsdp mesh as the loop places it (rows split over devices, mRoPE positions along
+    their row axis, each micro-batch's images whole on every device) gives one device's old logprobs and update."""
+    import types
+
+    from jax.sharding import PartitionSpec as P
+
+    from agentfly_jax.models import sharding as shd
+    from agentfly_jax.trainer import state_shardings
+    from agentfly_jax.trainer.loop import _put_batch
+
+    model, params = policy
+    _, batch = _pack(_trajectories(), minibatch=MINIBATCH, num_minibatches=2, rows_multiple=4)
+    # plain SGD: the update is the gradient scaled, so the parameters compare the gradients themselves (Adam's first
+    # step, g / |g|, would blow the last bits of a near-zero gradient up to the learning rate)
+    optimizer = optax.sgd(1.0)
+
+    def run(state, batch, prepare, step):
+        filled, _ = prepare(state, batch)
+        state, metrics = step(state, take_minibatch(filled.rows, 0))
+        return filled, state, metrics
+
+    def new_state():
+        return create_train_state(jax.tree.map(jnp.copy, params), optimizer)
+
+    single = run(new_state(), jax.tree.map(jnp.asarray, batch), make_prepare_fn(model, ALG),
+                 make_train_step(model, ALG, optimizer))
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
+    state = new_state()
+    sharding = state_shardings(state, mesh, policy_model=model, policy_opt=optimizer)
+    placed = _put_batch(types.SimpleNamespace(mesh=mesh), batch)
+    assert placed.rows.positions.sharding.spec == P(None, None, None, ("data", "fsdp"))
+    assert placed.rows.vision.pixel_values.sharding.spec == P()
+    with jax.set_mesh(mesh), shd.axis_rules():
+        sharded = run(jax.device_put(state, sharding), placed, make_prepare_fn(model, ALG),
+                      make_train_step(model, ALG, optimizer, state_sharding=sharding))
+    np.testing.assert_allclose(sharded[0].rows.old_logprobs, single[0].rows.old_logprobs, **TOL)
+    assert _moved(single[1].policy.params, params, "visual") > 1e-4
+    for got, want in zip(jax.tree.leaves(sharded[1].policy.params), jax.tree.leaves(single[1].policy.params)):
+        np.testing.assert_allclose(got, want, **TOL)
+    assert abs(float(sharded[2]["policy/loss"]) - float(single[2]["policy/loss"])) <= 1e-5
