@@ -2,8 +2,14 @@
 
 Rules are data, normally taken from the experiment config (`config.mesh`, `config.sharding_rules`); the
 defaults below give FSDP over `fsdp` and Megatron-style tensor parallelism over `tensor`, with the batch
-split over `data` x `fsdp`. A parameter dimension that a mesh axis does not divide is replicated along it
-(e.g. 14 heads on tensor=4) rather than failing.
+split over `data` x `fsdp`. A dimension that a mesh axis does not divide is replicated along it (e.g. 14 heads
+on tensor=4) rather than failing.
+
+Activations follow the same rules through `constrain` (the model's `_constrain`), with the same divisibility
+test as the parameters: an activation is only ever asked for a layout that the weights it meets agree with.
+Where the two disagree (say q heads split 4 ways but their weights replicated), the SPMD partitioner must
+reshard between them, and for some pairs of layouts it can only do so by replicating the whole tensor first
+(XLA's "involuntary full rematerialization").
 """
 from __future__ import annotations
 
@@ -15,8 +21,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-from agentfly_jax.models.transformer import logical_axes
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
@@ -93,8 +98,32 @@ def spec_for_shape(logical_spec: P, shape: Sequence[int], mesh: Mesh, rules=DEFA
     return P(*out)
 
 
+def constrain(x, names: Sequence[str | None]):
+    """`x` pinned to the layout that the active logical axis rules (`axis_rules`) give `names` on the active mesh
+    (`jax.set_mesh`), mesh axes that do not divide a dimension dropped as for parameters; `x` itself unless both
+    are active."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec_for_shape(P(*names), x.shape, mesh, rules))
+
+
+def active_shards(logical: str, size: int) -> int:
+    """Into how many pieces the active rules and mesh cut a dimension of `size` named `logical` (1 without)."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return 1
+    axes = spec_for_shape(P(logical), (size,), mesh, rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes)
+
+
 def param_shardings(model: nn.Module, params, mesh: Mesh, rules=DEFAULT_RULES):
     """NamedSharding tree matching `params` (arrays or ShapeDtypeStructs) from the model's logical names."""
+    from agentfly_jax.models.transformer import logical_axes  # the model module imports this one
+
     specs = logical_axes(model)
     return jax.tree.map(lambda spec, p: NamedSharding(mesh, spec_for_shape(spec, p.shape, mesh, rules)),
                         specs, params, is_leaf=lambda x: isinstance(x, P))

@@ -2,7 +2,8 @@
 
 Every parameter carries logical axis names (see `models/sharding.py` for the mapping to mesh axes):
   vocab, embed, heads, kv_heads, head_dim, mlp, norm, value_out.
-Activations are constrained with act_batch, act_length, act_embed, act_heads, act_vocab.
+Activations are constrained with act_batch, act_length, act_embed, act_heads, act_kv_heads, act_mlp, act_vocab,
+by the same rules and divisibility test as the parameters they meet (`sharding.constrain`).
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, D head dim,
 E hidden size, V vocab, F intermediate size.
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentfly_jax.models.config import ModelConfig
+from agentfly_jax.models.sharding import active_shards, constrain
 
 _KERNEL_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -27,9 +29,25 @@ def _param_init(init, names):
 
 
 def _constrain(x, names):
-    # A no-op unless logical axis rules are active (see sharding.axis_rules); then it pins activation layouts so
-    # GSPMD gathers FSDP weights instead of re-sharding activations.
-    return nn.with_logical_constraint(x, names)
+    # A no-op unless logical axis rules and a mesh are active (see sharding.axis_rules); then it pins activation
+    # layouts, agreeing with the weights', so GSPMD gathers FSDP weights instead of re-sharding activations.
+    return constrain(x, names)
+
+
+def _kv_like_queries(kv, num_heads: int):
+    """k or v [B, S, K, D] laid out like the queries' H heads [B, T, H, D] under the active mesh.
+
+    Where the mesh cuts the query heads into more pieces than the K kv heads can be cut into (tensor=4 with 2 kv
+    heads), each kv head is repeated r times first: head j of the K*r serves queries j*G/r .. (j+1)*G/r - 1,
+    exactly the queries of its original head, so every piece holds the kv heads its own queries read and q, k, v
+    share one layout (cuDNN's fused attention requires that; the einsum path would otherwise slice replicated
+    k/v). Without a mesh, or where K splits as far as H, kv is returned as it is.
+    """
+    shards = active_shards("act_heads", num_heads)
+    repeats = shards // math.gcd(kv.shape[2], shards)
+    if repeats > 1:
+        kv = jnp.repeat(kv, repeats, axis=2)
+    return _constrain(kv, ("act_batch", "act_length", "act_kv_heads", None))
 
 
 # ----------------------------------------------------------------------------------------- rotary embedding
@@ -237,7 +255,9 @@ class Attention(nn.Module):
         inv_freq = jnp.asarray(rope_inv_freq(c))
         q, k = apply_rope(q, positions, inv_freq, c.mrope_section), apply_rope(k, positions, inv_freq, c.mrope_section)
         q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
+        k, v = _kv_like_queries(k, c.num_heads), _kv_like_queries(v, c.num_heads)
         out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
+        out = _constrain(out, ("act_batch", "act_length", "act_heads", None))
         return OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
                              name="o_proj")(out)
 
@@ -252,9 +272,10 @@ class MLP(nn.Module):
         def dense(features, names, name):
             return Linear(features, names, c.dtype, c.param_dtype, c.lora_on(name), c.lora_scale, name=name)
 
-        gate = dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x)
-        up = dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x)
-        hidden = _constrain(nn.silu(gate) * up, ("act_batch", "act_length", "act_mlp"))
+        names = ("act_batch", "act_length", "act_mlp")
+        gate = _constrain(dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x), names)
+        up = _constrain(dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x), names)
+        hidden = _constrain(nn.silu(gate) * up, names)
         return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(hidden)
 
 
@@ -266,6 +287,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)  # noqa: E731
         x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), positions, mask)
+        x = _constrain(x, ("act_batch", "act_length", "act_embed"))
         x = x + MLP(c, name="mlp")(norm("post_attention_layernorm")(x))
         return _constrain(x, ("act_batch", "act_length", "act_embed"))
 
@@ -292,12 +314,23 @@ class Decoder(nn.Module):
         return self.from_embeddings(self.embed(input_ids), positions, segment_ids)
 
     def embed(self, input_ids):
-        return self.embed_tokens(input_ids)
+        """Token embeddings [B, T, E] (nn.Embed's lookup, written out to place the table).
+
+        The table is gathered over its embed dim first, as FSDP gathers every other weight before use, so each
+        device looks up its own rows (where `tensor` splits the vocab: a masked lookup and an all-reduce over
+        `tensor`). Left to itself, the partitioner gathered every device's tokens, looked the whole batch up
+        everywhere and moved the result back with an all-reduce and an all-to-all of full-batch activations.
+        """
+        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        table = _constrain(self.embed_tokens.embedding, ("vocab", None)).astype(self.config.dtype)
+        return _constrain(jnp.take(table, input_ids, axis=0), ("act_batch", "act_length", "act_embed"))
 
     def from_embeddings(self, x, positions, segment_ids=None):
         """The layers and final norm on input embeddings x [B, T, E] (a multimodal model merges image features
         into them first); positions [B, T], or [3, B, T] with mRoPE."""
-        mask = None if segment_ids is None else attention_mask(segment_ids)
+        mask = None if segment_ids is None else _constrain(attention_mask(segment_ids),
+                                                           ("act_batch", "act_length", None))
         x = _constrain(x, ("act_batch", "act_length", "act_embed"))
         for layer in self.layers:
             x = layer(x, positions, mask)
@@ -327,6 +360,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, segment_ids)
 
     def logits_from_hidden(self, hidden):
+        hidden = _constrain(hidden, ("act_batch", "act_length", "act_embed"))
         logits = self.model.attend(hidden) if self.config.tie_word_embeddings else self.lm_head(hidden)
         return _constrain(logits, ("act_batch", "act_length", "act_vocab"))
 
