@@ -32,6 +32,12 @@
 #   --enable-scale-out                registers /inference/v1/generate (and vLLM's render endpoints)
 #   --limit-mm-per-prompt {"video":0} no videos (rollouts send none), which also spares the start-up warm-up of a
 #                                     dummy video through the processor (unless the extra flags set the limits)
+#   --no-mm-device-do-normalize       the image processor rescales and normalises, as transformers' does (what our
+#                                     pixel values reproduce). vLLM 0.32's default moves that to the device with
+#                                     mean/std read from preprocessor_config.json itself: a config that leaves them
+#                                     to the processor's defaults (no image_mean/image_std keys) then feeds raw 0-255
+#                                     pixels to the vision tower (seen: completions unrelated to the image). Unless
+#                                     the extra flags choose.
 # vLLM's multimodal processor needs the tokenizer and MODEL_DIR/preprocessor_config.json (its min_pixels and
 # max_pixels must admit the agent's image sizes), and vLLM's Qwen2-VL code needs torchvision (scripts/setup_vllm.sh
 # installs it in .venv-vllm/): without them the script stops with a message saying what to add.
@@ -140,6 +146,8 @@ if [ -f "$MODEL_DIR/config.json" ] && grep -q '"vision_config"' "$MODEL_DIR/conf
   fi
   vision_flags=(--enable-scale-out)
   extra_has --limit-mm-per-prompt || vision_flags+=(--limit-mm-per-prompt '{"video": 0}')
+  extra_has --mm-device-do-normalize || extra_has --no-mm-device-do-normalize \
+    || vision_flags+=(--no-mm-device-do-normalize)
   log "vision-language model: images through /inference/v1/generate (--enable-scale-out), no videos"
 fi
 tokenizer_mode="${AGENTFLY_VLLM_TOKENIZER:-auto}"

@@ -85,7 +85,10 @@ def _retie_word_embeddings(worker) -> bool:
     runner = worker.model_runner
     hf_config = runner.model_config.hf_config
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    if not getattr(text_config, "tie_word_embeddings", False):
+    tied = getattr(text_config, "tie_word_embeddings", None)
+    if tied is None:  # transformers 5 keeps a vision-language model's flag on its top-level config only
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+    if not tied:
         return False
     model = runner.get_model()
     # A vision-language model (Qwen2.5-VL) holds the causal LM, with lm_head and embed_tokens, as its language model.
