@@ -34,20 +34,17 @@ def _constrain(x, names):
     return constrain(x, names)
 
 
-def _kv_like_queries(kv, num_heads: int):
-    """k or v [B, S, K, D] laid out like the queries' H heads [B, T, H, D] under the active mesh.
+def kv_repeats(num_heads: int, num_kv_heads: int) -> int:
+    """How many times each kv head is computed so that k and v split over the active mesh like the H queries.
 
     Where the mesh cuts the query heads into more pieces than the K kv heads can be cut into (tensor=4 with 2 kv
-    heads), each kv head is repeated r times first: head j of the K*r serves queries j*G/r .. (j+1)*G/r - 1,
-    exactly the queries of its original head, so every piece holds the kv heads its own queries read and q, k, v
-    share one layout (cuDNN's fused attention requires that; the einsum path would otherwise slice replicated
-    k/v). Without a mesh, or where K splits as far as H, kv is returned as it is.
+    heads), the k/v projections compute every kv head r times in a row (their kernels repeated, Megatron's
+    replicated kv heads): head j of the K*r serves queries j*G/r .. (j+1)*G/r - 1, exactly the queries of its
+    original head, so each device computes the kv heads its own queries read, and q, k, v share one layout
+    (cuDNN's fused attention requires that). 1 without a mesh, or where K splits as far as H.
     """
     shards = active_shards("act_heads", num_heads)
-    repeats = shards // math.gcd(kv.shape[2], shards)
-    if repeats > 1:
-        kv = jnp.repeat(kv, repeats, axis=2)
-    return _constrain(kv, ("act_batch", "act_length", "act_kv_heads", None))
+    return shards // math.gcd(num_kv_heads, shards)
 
 
 # ----------------------------------------------------------------------------------------- rotary embedding
@@ -177,20 +174,25 @@ class HeadProjection(nn.Module):
     param_dtype: Any
     lora_rank: int = 0
     lora_scale: float = 0.0
+    repeats: int = 1  # output heads per stored head, in a row: N * repeats of them (see kv_repeats)
 
     @nn.compact
     def __call__(self, x):
         shape = (x.shape[-1], self.num_heads, self.head_dim)
         kernel = self.param("kernel", _param_init(_KERNEL_INIT, ("embed", self.head_axis, "head_dim")),
                             shape, self.param_dtype)
-        y = jnp.einsum("bte,end->btnd", x.astype(self.dtype), kernel.astype(self.dtype))
+
+        def per_output_head(w, axis):
+            return w if self.repeats == 1 else jnp.repeat(w, self.repeats, axis=axis)
+
+        y = jnp.einsum("bte,end->btnd", x.astype(self.dtype), per_output_head(kernel.astype(self.dtype), 1))
         if self.lora_rank:
-            y = y + _lora_delta(self, x, ("embed",), (self.head_axis, "head_dim"), shape[1:], self.lora_rank,
-                                self.lora_scale)
+            y = y + per_output_head(_lora_delta(self, x, ("embed",), (self.head_axis, "head_dim"), shape[1:],
+                                                self.lora_rank, self.lora_scale), 2)
         if self.use_bias:
             bias = self.param("bias", _param_init(nn.initializers.zeros, (self.head_axis, "head_dim")),
                               shape[1:], self.param_dtype)
-            y = y + bias.astype(self.dtype)
+            y = y + per_output_head(bias.astype(self.dtype), 0)
         return y
 
 
@@ -245,17 +247,19 @@ class Attention(nn.Module):
         c = self.config
         d = c.resolved_head_dim
 
-        def proj(n_heads, head_axis, name):
+        def proj(n_heads, head_axis, name, repeats=1):
             return HeadProjection(n_heads, d, c.qkv_bias, head_axis, c.dtype, c.param_dtype, c.lora_on(name),
-                                  c.lora_scale, name=name)(x)
+                                  c.lora_scale, repeats, name=name)(x)
 
+        repeats = kv_repeats(c.num_heads, c.num_kv_heads)  # 1 but where the mesh splits queries further
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
-        k = proj(c.num_kv_heads, "kv_heads", "k_proj")  # [B, T, K, D]
-        v = proj(c.num_kv_heads, "kv_heads", "v_proj")
+        k = proj(c.num_kv_heads, "kv_heads", "k_proj", repeats)  # [B, T, K * repeats, D]
+        v = proj(c.num_kv_heads, "kv_heads", "v_proj", repeats)
         inv_freq = jnp.asarray(rope_inv_freq(c))
         q, k = apply_rope(q, positions, inv_freq, c.mrope_section), apply_rope(k, positions, inv_freq, c.mrope_section)
         q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
-        k, v = _kv_like_queries(k, c.num_heads), _kv_like_queries(v, c.num_heads)
+        k = _constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
+        v = _constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
         out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
         out = _constrain(out, ("act_batch", "act_length", "act_heads", None))
         return OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
