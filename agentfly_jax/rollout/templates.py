@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentfly_jax.rollout.images import IMAGE_PAD, ImageSettings, PreparedImage, image_source, prepare_image
+from agentfly_jax.images import IMAGE_PAD, ImageSettings, PreparedImage, image_source, prepare_image
 
 Message = dict[str, Any]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from agentfly_jax.rollout.images import PreparedImage
+from agentfly_jax.images import PreparedImage
 
 # Unpacked batches are padded to a multiple of this, so jit sees a handful of sequence lengths.
 SEQUENCE_BUCKET = 64
@@ -148,7 +148,7 @@ class Trajectory:
             if bad_image is not None:
                 raise ValueError(
                     f"Trajectory.images[{bad_image}] is a {type(self.images[bad_image]).__name__}; images are "
-                    "PreparedImages (rollout.images.prepare_image)"
+                    "PreparedImages (agentfly_jax.images.prepare_image)"
                 )
 
     def _check_versions(self) -> None:

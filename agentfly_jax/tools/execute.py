@@ -8,7 +8,7 @@ checks the arguments against its schema, gives stateful tools their chain's envi
 What a tool returns: a string (the observation); a dict with an `observation` (its other fields are extras);
 other JSON-able values (shown as JSON); or content parts with images, a list of `{"type": "text", "text": str}`
 and `{"type": "image", "image": <PIL image | numpy array | path | bytes>}` dicts in the order the model reads them
-(also as a dict's `observation`). Images are checked and loaded with `rollout.images.load_image` (off the event
+(also as a dict's `observation`). Images are checked and loaded with `agentfly_jax.images.load_image` (off the event
 loop); one that cannot be used makes the call a `bad_image` failure naming the problem. The observation limit
 counts the parts' text only.
 
@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from agentfly_jax.rollout.images import ImageError, load_image
+from agentfly_jax.images import ImageError, load_image
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.decorator import ENV_PARAMETER, TASK_PARAMETER, Tool, as_tool_table
 from agentfly_jax.tools.parsers import (

@@ -260,7 +260,7 @@ def is_vision_language(model) -> bool:
 def agent_image_settings(cfg: TrainConfig):
     """The image settings the agent prepares images with (`config.agent.min_pixels / max_pixels`, else the
     processor's defaults), as `BaseAgent` builds them."""
-    from agentfly_jax.rollout.images import ImageSettings
+    from agentfly_jax.images import ImageSettings
 
     pixels = {"min_pixels": cfg.agent.min_pixels, "max_pixels": cfg.agent.max_pixels}
     return ImageSettings(**{k: v for k, v in pixels.items() if v is not None})

@@ -14,7 +14,7 @@
   as "qwen2.5", its Jinja equivalent (`rollout.chat_templates`), which renders the text the Python renderer
   rendered in training;
 - for a vision-language policy (Qwen2.5-VL), `preprocessor_config.json`: the Qwen2-VL image processor with the
-  pixel range and patch geometry images were prepared with in training (`rollout.images.ImageSettings`), in the
+  pixel range and patch geometry images were prepared with in training (`agentfly_jax.images.ImageSettings`), in the
   layout of the released Qwen2.5-VL checkpoints, so transformers' `AutoProcessor` and vLLM cut images into the
   same tokens.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from agentfly_jax.models import save_pretrained
 from agentfly_jax.rollout.chat_templates import jinja_for_template
-from agentfly_jax.rollout.images import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSettings
+from agentfly_jax.images import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageSettings
 
 GENERATION_CONFIG_KEYS = ("eos_token_id", "bos_token_id", "pad_token_id")
 

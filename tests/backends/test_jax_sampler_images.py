@@ -18,7 +18,7 @@ import transformers
 from agentfly_jax.models import load_pretrained, mrope_positions, pad_patches, vision_layout
 from agentfly_jax.rollout.agents import ToolCallingAgent
 from agentfly_jax.rollout.backends import JaxSampler
-from agentfly_jax.rollout.images import ImageSettings, PreparedImage, pixel_inputs, prepare_image
+from agentfly_jax.images import ImageSettings, PreparedImage, pixel_inputs, prepare_image
 from agentfly_jax.rollout.templates import encode_conversation
 from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
 from agentfly_jax.tools import tool

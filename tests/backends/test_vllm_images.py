@@ -24,10 +24,10 @@ import torch
 import transformers
 from PIL import Image
 
-from agentfly_jax.models import CausalLM, ModelConfig, Qwen2_5_VLCausalLM, load_pretrained
+from agentfly_jax.images import ImageSettings, pixel_inputs, prepare_image
+from agentfly_jax.models import CausalLM, ModelConfig, Qwen2_5_VLCausalLM, load_pretrained, mrope_positions
 from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
-from agentfly_jax.rollout.images import ImageSettings, pixel_inputs, prepare_image
 from tests.backends.conftest import TINY_QWEN2, VLLMServerProcess
 from tests.backends.fake_vllm import run_with_fake_servers
 
@@ -269,12 +269,24 @@ def vl_server(vl_checkpoints, tmp_path_factory):
 def flax_logprobs(model, params, prompt, completion, shown, temperature, pixel_values=None):
     """Our model's log_softmax(logits / T) at each completion token after `prompt` (teacher-forced, one forward),
     and the argmax at each of those positions; pixel values from our own `PreparedImage.pixel_values()` (or
-    `pixel_values` of the same shape)."""
-    ids = np.asarray([list(prompt) + list(completion)], np.int32)
+    `pixel_values` of the same shape).
+
+    As in vLLM (and transformers' generate), the completion is text whatever ids it holds (a sampled
+    <|image_pad|> or <|video_pad|> is a plain token embedding) at text positions after the prompt's largest
+    mRoPE position: the prompt is embedded with its images, the completion without, then both run together."""
+    cls = type(model)
+    variables = {"params": params}
     values, grid = pixel_inputs(shown) if shown else (None, None)
     values = values if pixel_values is None else pixel_values
-    logits = model.apply({"params": params}, jnp.asarray(ids), pixel_values=values, image_grid_thw=grid)
-    logits = np.asarray(logits[0, len(prompt) - 1:-1], np.float64)
+    head = model.apply(variables, jnp.asarray([prompt]), pixel_values=values, image_grid_thw=grid, method=cls.embed)
+    tail = model.apply(variables, jnp.asarray([completion[:-1]], jnp.int32).reshape(1, -1), method=cls.embed)
+    positions = mrope_positions(model.config, np.asarray([prompt]), grid)
+    after = positions.max() + 1 + np.arange(len(completion) - 1)
+    positions = np.concatenate([positions, np.broadcast_to(after, (3, 1, len(after)))], axis=-1)
+    hidden = model.apply(variables, jnp.concatenate([head, tail], axis=1), jnp.asarray(positions),
+                         method=cls.hidden_from_embeddings)
+    logits = model.apply(variables, hidden, method=cls.logits_from_hidden)
+    logits = np.asarray(logits[0, len(prompt) - 1:], np.float64)
     scaled = logits / (temperature or 1.0)
     top = scaled.max(-1, keepdims=True)
     logprobs = scaled - top - np.log(np.exp(scaled - top).sum(-1, keepdims=True))
@@ -341,7 +353,7 @@ def test_weight_sync_reaches_the_vision_tower_and_an_interrupted_image_request_i
         async with VLLMBackend(vl_server.url, model) as backend:
             await backend.update_weights(params_b, version=1)
             [after_b] = await backend.generate(prompt, max_tokens=12, temperature=0.0, images=shown)
-            task = asyncio.create_task(backend.generate(prompt, max_tokens=600, temperature=1.0, n=4, seed=5,
+            task = asyncio.create_task(backend.generate(prompt, max_tokens=900, temperature=1.0, n=32, seed=5,
                                                         images=shown))
             server = backend.servers[0]
             while not task.done():  # until the engine is decoding them
@@ -361,7 +373,7 @@ def test_weight_sync_reaches_the_vision_tower_and_an_interrupted_image_request_i
     assert np.abs(stale - ours).max() > 0.05, "the vision tower's weights do not change these logprobs"
     for c in interrupted:
         before = c.token_versions.count(1)
-        assert 0 < before < 600 and c.token_versions == [1] * before + [2] * (600 - before)
+        assert 0 < before < 900 and c.token_versions == [1] * before + [2] * (900 - before)
     for c in interrupted[:2]:
         before = c.token_versions.count(1)
         under_b, _ = flax_logprobs(model, params_b, prompt, c.token_ids, shown, 1.0)

@@ -24,7 +24,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from agentfly_jax.rollout.agents import ReactAgent, ToolCallingAgent
 from agentfly_jax.rollout.chat_templates import QWEN2_5_JINJA
-from agentfly_jax.rollout.images import (
+from agentfly_jax.images import (
     ImageError,
     ImageSettings,
     PreparedImage,

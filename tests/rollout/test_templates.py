@@ -12,7 +12,7 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from agentfly_jax.rollout.images import ImageError
+from agentfly_jax.images import ImageError
 from agentfly_jax.rollout.templates import (
     ConversationEncoder,
     TemplateNotAppendOnlyError,

@@ -10,7 +10,7 @@ from PIL import Image
 from agentfly_jax.rollout import encode_conversation
 from agentfly_jax.rollout.agents import ReactAgent, ToolCallingAgent
 from agentfly_jax.rollout.agents.base import task_images
-from agentfly_jax.rollout.images import ImageSettings
+from agentfly_jax.images import ImageSettings
 from agentfly_jax.rollout.templates import ConversationEncoder
 from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
 from agentfly_jax.trainer.loop import _as_agent_prompts

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from agentfly_jax.models import Qwen2_5_VLCausalLM, load_pretrained
-from agentfly_jax.rollout.images import ImageSettings, prepare_image
+from agentfly_jax.images import ImageSettings, prepare_image
 from agentfly_jax.rollout.tokenizers import build_llama3_style_tokenizer, build_qwen2_5_tokenizer
 from agentfly_jax.trainer import builders
 from agentfly_jax.trainer.config import ConfigError, TrainConfig

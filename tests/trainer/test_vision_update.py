@@ -12,7 +12,7 @@ import pytest
 from agentfly_jax.algorithms.recipes import get_recipe
 from agentfly_jax.models import (ModelConfig, Qwen2_5_VLCausalLM, VisionConfig, init_params, mrope_positions,
                                  pad_patches, vision_layout)
-from agentfly_jax.rollout.images import PreparedImage
+from agentfly_jax.images import PreparedImage
 from agentfly_jax.rollout.trajectory import Trajectory, trajectories_to_batch
 from agentfly_jax.trainer import create_train_state, make_prepare_fn, make_train_step, pack_step, unpack_rows
 from agentfly_jax.trainer.batch import MIN_PATCH_BUCKET, patch_bucket

@@ -19,7 +19,7 @@ import numpy as np
 
 from agentfly_jax.rewards.decorator import Reward, as_reward
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.rollout.images import ImageSettings, PreparedImage
+from agentfly_jax.images import ImageSettings, PreparedImage
 from agentfly_jax.rollout.templates import end_of_turn_ids, resolve_template
 from agentfly_jax.rollout.trajectory import Trajectory
 from agentfly_jax.tools.context import EnvironmentProvider
@@ -38,7 +38,7 @@ def task_images(task: Mapping[str, Any]) -> list[dict[str, Any]]:
 
     `images` is a sequence (a list, a tuple, or any sequence type such as a lazily rendered one: it is
     iterated, not required to be a list) whose items are images (PIL images, numpy arrays, paths, bytes, data
-    URLs: whatever `rollout.images.load_image` takes) or ready image content parts; a single image (a string,
+    URLs: whatever `agentfly_jax.images.load_image` takes) or ready image content parts; a single image (a string,
     bytes, a path, an array, a PIL image, a content part) stands for a sequence of one. The images are not
     loaded here: the chain's encoder loads and resizes them once for all of a task's chains."""
     images = task.get("images")
@@ -144,7 +144,7 @@ class BaseAgent(abc.ABC):
         self.max_observation_chars = max_observation_chars
         self.parallel_tool_calls = parallel_tool_calls
         pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
-        #: how images are sized and cut into patches (see rollout.images)
+        #: how images are sized and cut into patches (see agentfly_jax.images)
         self.image_settings = ImageSettings(**{name: value for name, value in pixels.items() if value is not None})
         #: rollout-level counters of the last `run` (chains, turns, tool calls and errors, envs, wall time)
         self.last_run_stats: dict[str, float] = {}

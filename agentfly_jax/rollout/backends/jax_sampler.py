@@ -73,7 +73,7 @@ from agentfly_jax.models import decode
 from agentfly_jax.models.qwen2_5_vl import Qwen2_5_VLCausalLM, mrope_positions, pad_patches, vision_layout
 from agentfly_jax.models.transformer import CausalLM
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.rollout.images import PreparedImage
+from agentfly_jax.images import PreparedImage
 
 log = logging.getLogger(__name__)
 
@@ -462,7 +462,7 @@ class JaxSampler(GenerationBackend):
         for i, image in enumerate(images):
             if not isinstance(image, PreparedImage):
                 raise TypeError(f"images[{i}] is a {type(image).__name__}; JaxSampler takes PreparedImage "
-                                "(agentfly_jax.rollout.images.prepare_image)")
+                                "(agentfly_jax.images.prepare_image)")
             geometry = (image.patch_size, image.temporal_patch_size, image.merge_size)
             expected = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
             if geometry != expected:

@@ -107,7 +107,7 @@ from typing import Any
 
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.rollout.images import PreparedImage
+from agentfly_jax.images import PreparedImage
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +433,7 @@ class VLLMBackend(GenerationBackend):
         for i, image in enumerate(images):
             if not isinstance(image, PreparedImage):
                 raise TypeError(f"images[{i}] is a {type(image).__name__}; VLLMBackend takes PreparedImage "
-                                "(agentfly_jax.rollout.images.prepare_image)")
+                                "(agentfly_jax.images.prepare_image)")
             geometry = (image.patch_size, image.temporal_patch_size, image.merge_size)
             if vision is not None and geometry != (vision.patch_size, vision.temporal_patch_size,
                                                    vision.spatial_merge_size):
