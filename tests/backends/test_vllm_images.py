@@ -16,6 +16,11 @@ import asyncio
 import base64
 import io
 import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +33,9 @@ from agentfly_jax.images import ImageSettings, pixel_inputs, prepare_image
 from agentfly_jax.models import CausalLM, ModelConfig, Qwen2_5_VLCausalLM, load_pretrained, mrope_positions
 from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
-from tests.backends.conftest import TINY_QWEN2, VLLMServerProcess
+from tests.backends.conftest import REPO, TINY_QWEN2, VLLMServerProcess
 from tests.backends.fake_vllm import run_with_fake_servers
+from tests.backends.test_start_vllm import launch, model_dir
 
 VOCAB = 1024
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -220,6 +226,68 @@ def test_an_interrupting_update_labels_the_tokens_of_an_image_request_and_resets
         before = completion.token_versions.count(0)
         assert 0 < before < 40 and completion.token_versions == [0] * before + [1] * (40 - before)
         assert completion.logprobs == [-1.0] * before + [-2.0] * (40 - before)
+
+
+# ------------------------------------------------------------------------------------------- start script
+@pytest.fixture
+def vllm_stand_in(tmp_path):
+    """An executable standing in for vLLM's python (test_start_vllm.py's, plus the torchvision probe: `-c` code that
+    looks for torchvision succeeds unless FAKE_NO_TORCHVISION is set; other `-c` code, the CUDA probe, fails)."""
+    script = tmp_path / "fake_vllm_python"
+    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
+        import http.server, json, os, sys
+        if sys.argv[1] == "-c":
+            sys.exit(0 if "torchvision" in sys.argv[2] and not os.environ.get("FAKE_NO_TORCHVISION") else 1)
+        args = sys.argv[1:]
+        with open(os.environ["FAKE_VLLM_ARGV"], "w") as fh:
+            json.dump(args, fh)
+        class Health(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+            def log_message(self, *a):
+                pass
+        http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health).serve_forever()
+    """))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def vl_model_dir(tmp_path, name, tokenizer=True, preprocessor=True):
+    directory = model_dir(tmp_path, name, tokenizer=tokenizer)
+    (directory / "config.json").write_text(json.dumps(hf_config().to_dict()))
+    if preprocessor:
+        (directory / "preprocessor_config.json").write_text("{}")
+    return directory
+
+
+def test_start_script_serves_a_vision_language_model_through_the_token_endpoint(tmp_path, vllm_stand_in):
+    args, messages = launch(tmp_path, vllm_stand_in, vl_model_dir(tmp_path, "vl"))
+    assert "--enable-scale-out" in args and "--no-mm-device-do-normalize" in args
+    assert json.loads(args[args.index("--limit-mm-per-prompt") + 1]) == {"video": 0}
+    assert "--skip-tokenizer-init" not in args and "/inference/v1/generate" in messages
+    args, _ = launch(tmp_path, vllm_stand_in, vl_model_dir(tmp_path, "vl2"), "--mm-device-do-normalize",
+                     "--limit-mm-per-prompt", '{"image": 4}')  # the caller's choices stand
+    assert "--no-mm-device-do-normalize" not in args and args.count("--limit-mm-per-prompt") == 1
+    text, _ = launch(tmp_path, vllm_stand_in, model_dir(tmp_path, "text"))  # a text model: none of them
+    assert not {"--enable-scale-out", "--limit-mm-per-prompt", "--no-mm-device-do-normalize"} & set(text)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no tokenizer", "needs its tokenizer"),
+    ("skip", "needs its tokenizer"),
+    ("no preprocessor config", "no preprocessor_config.json"),
+    ("no torchvision", "imports torchvision"),
+])
+def test_start_script_refuses_a_vision_language_model_it_cannot_serve(tmp_path, vllm_stand_in, case, message):
+    directory = vl_model_dir(tmp_path, "vl", tokenizer=case != "no tokenizer",
+                             preprocessor=case != "no preprocessor config")
+    env = {**os.environ, "VLLM_PYTHON": str(vllm_stand_in), "AGENTFLY_VLLM_RUN_DIR": str(tmp_path / "run"),
+           **({"AGENTFLY_VLLM_TOKENIZER": "skip"} if case == "skip" else {}),
+           **({"FAKE_NO_TORCHVISION": "1"} if case == "no torchvision" else {})}
+    proc = subprocess.run(["bash", str(REPO / "scripts/start_vllm.sh"), str(directory), "1"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------------------------------- real server

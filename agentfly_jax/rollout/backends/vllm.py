@@ -51,8 +51,9 @@ Weight sync (`update_weights(params, version, interrupt=...)`): new `generate` c
 an update runs; then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
 were computed with the old weights and would otherwise be reused for matching prompt prefixes), `POST /resume`.
 A vision-language server also gets `POST /reset_encoder_cache` after that reset: vLLM keeps the vision tower's
-outputs per image (its encoder cache), which `/pause?mode=keep` does not clear, so a frozen request recomputed on
-`/resume` would otherwise be given image features of the old weights.
+outputs per image (its encoder cache) and asks for this reset after a weight update. vLLM 0.32's `/pause` already
+clears that cache, in both modes, before the load (its API documentation says `clear_cache` is ignored with
+mode=keep; the engine does clear): the reset after the load keeps stale image features out whatever the pause did.
 Loading: the params converted to HF names and layouts (`params_to_hf`; for Qwen2.5-VL `visual.*`, `model.*`,
 `lm_head.*`, which vLLM's loader maps onto its `visual` and `language_model` modules) are pushed in memory as
 safetensors chunks through `/collective_rpc` and loaded in one `reload_weights`; with `weight_sync="file"` they are written with
@@ -105,9 +106,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from agentfly_jax.images import PreparedImage
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
-from agentfly_jax.images import PreparedImage
 
 log = logging.getLogger(__name__)
 
