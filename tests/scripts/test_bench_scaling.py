@@ -1,0 +1,78 @@
+"""scripts/bench_scaling.py, CPU-sized: the tiny shape on fake CPU devices runs end to end (one device and
+fsdp x tensor on four), reports consistent figures and no rematerialization; two processes joined by
+jax.distributed step on the same batch as one; a failed worker fails the script."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHORT = ["--shapes", "tiny", "--rows-per-device", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1"]
+
+
+def _run(args, timeout=240):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # the workers get their own device counts
+    return subprocess.run([sys.executable, "scripts/bench_scaling.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bench_scaling_short(tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    proc = _run([*SHORT, "--devices", "1,4", "--layouts", "fsdp_tensor", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single, sharded = _records(out)
+    assert (single["layout"], single["devices"], single["speedup"], single["efficiency"]) == ("single", 1, 1.0, 1.0)
+    assert (sharded["layout"], sharded["devices"], sharded["processes"]) == ("fsdp_tensor", 4, 1)
+    assert sharded["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert (single["global_tokens"], sharded["global_tokens"]) == (16, 64)  # weak scaling: tokens per device fixed
+    for r in (single, sharded):
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and np.isfinite(r["loss"]) and r["dtype"] == "float32"
+        assert r["remat_warnings"] == 0
+        assert r["tokens_per_s"] == pytest.approx(r["global_tokens"] / (r["step_ms"] / 1e3), rel=1e-3)
+    assert sharded["efficiency"] == pytest.approx(sharded["tokens_per_s"] / (4 * single["tokens_per_s"]), abs=1e-4)
+    collectives = sharded["collectives"]
+    assert collectives["all-gather"] > 0 and collectives["all-reduce"] > 0  # fsdp gathers, tensor all-reduces
+    assert collectives["all-to-all"] == 0 and collectives["collective-permute"] == 0
+    assert single["collectives"] == dict.fromkeys(collectives, 0)
+    assert "SUMMARY weak scaling, 1 x 16 tokens per device, cpu" in proc.stdout
+    assert "| tiny | fsdp_tensor | 4 | 1 |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_two_processes_step_on_the_same_batch_as_one(tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    proc = _run([*SHORT, "--devices", "2", "--layouts", "fsdp", "--processes", "2", "--out", str(out)], timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single, one_process, two_processes = _records(out)
+    assert single["devices"] == 1 and one_process["processes"] == 1 and two_processes["processes"] == 2
+    assert one_process["devices"] == two_processes["devices"] == 2
+    assert one_process["mesh"] == two_processes["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+    # the same params and global batch: the same loss, whichever process holds which device
+    assert two_processes["loss"] == pytest.approx(one_process["loss"], rel=1e-5)
+    assert two_processes["vs_one_process"] == pytest.approx(  # rounded to 4 decimals
+        two_processes["tokens_per_s"] / one_process["tokens_per_s"], abs=1e-4)
+    assert two_processes["remat_warnings"] == 0
+    assert "| tiny | fsdp | 2 | 2 |" in proc.stdout
+
+
+def test_a_failed_worker_fails_the_script():
+    proc = _run([*SHORT, "--devices", "1", "--timeout", "1"])
+    assert proc.returncode == 1
+    record = json.loads(proc.stdout.splitlines()[0])
+    assert record["layout"] == "single" and "killed after 1 s (--timeout)" in record["error"]
+    assert "| tiny | single | 1 | 1 | failed: worker exited" in proc.stdout
+
+
+def test_bad_arguments_are_refused_in_one_line():
+    proc = _run(["--layouts", "fsdp,pipeline"])
+    assert proc.returncode == 2 and "--layouts: ['pipeline'] not understood" in proc.stderr
+    proc = _run(["--devices", "two"])
+    assert proc.returncode == 2 and "--devices and --processes take comma-separated integers" in proc.stderr
