@@ -41,9 +41,12 @@ carries each image's run collapsed to one pad, and the server answers with the p
 server's image processor gave an image another grid: its preprocessor_config.json must admit the agent's
 min_pixels/max_pixels). So the model sees exactly our ids. The pixels: an image that is already a multiple of 28 on
 each side and within the processor's pixel range is not resized again (smart_resize keeps its size and a same-size
-resize is the identity, in PIL and torchvision alike), and the server's rescale and normalisation are the
-arithmetic of `PreparedImage.pixel_values()` (tests/backends/test_vllm_images.py compares tokens and logprobs with
-our Flax model on our own pixel values). Whether the served model takes images: `multimodal=` (default: whether
+resize is the identity, in PIL and torchvision alike), and the server's processor rescales and normalises as
+`PreparedImage.pixel_values()` does (start_vllm.sh keeps that in the processor: `--no-mm-device-do-normalize`;
+tests/backends/test_vllm_images.py compares tokens and logprobs with our Flax model on our own pixel values).
+Sources (vLLM 0.32): entrypoints/scale_out/token_in_token_out/{protocol,serving}.py (`GenerateRequest.token_ids`,
+`content_parts`, `return_token_ids`), model_executor/models/qwen2_vl.py (`_get_prompt_updates`: a
+`PromptReplacement` of the single `<|image_pad|>` token), multimodal/processing/processor.py (every match replaced). Whether the served model takes images: `multimodal=` (default: whether
 `model` is a vision-language model, i.e. `model.config.vision` is set); a backend that does not serve one refuses
 images before sending anything. Prompts without images go to /v1/completions as before, on any model.
 
