@@ -280,21 +280,26 @@ def _fmt(result: dict, key: str, spec: str) -> str:
 
 
 def _summary(results: list[dict], args) -> list[str]:
-    lines = ["| shape | layout | devices | processes | step ms | tokens/s | speedup | efficiency | vs 1 process | "
-             "remat warnings |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    if args.compile_only:
+        lines = ["| shape | layout | devices | processes | compile s | all-gather | all-reduce | all-to-all | "
+                 "collective-permute | remat warnings |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    else:
+        lines = ["| shape | layout | devices | processes | step ms | tokens/s | speedup | efficiency | vs 1 process | "
+                 "remat warnings |",
+                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
+        head = f"| {r['shape']} | {r['layout']} | {r['devices']} | {r['processes']} |"
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['layout']} | {r['devices']} | {r['processes']} | failed: "
-                         f"{r['error'][:80]} | | | | | {r['remat_warnings']} |")
-            continue
-        if args.compile_only:
-            lines.append(f"| {r['shape']} | {r['layout']} | {r['devices']} | {r['processes']} | (compile only, "
-                         f"{r['compile_s']} s) | | | | | {r['remat_warnings']} |")
-            continue
-        lines.append(f"| {r['shape']} | {r['layout']} | {r['devices']} | {r['processes']} | {r['step_ms']} | "
-                     f"{r['tokens_per_s']:,.0f} | {_fmt(r, 'speedup', '.2f')} | {_fmt(r, 'efficiency', '.1%')} | "
-                     f"{_fmt(r, 'vs_one_process', '.3f')} | {r['remat_warnings']} |")
+            lines.append(f"{head} failed: {r['error'][:80]} | | | | | {r['remat_warnings']} |")
+        elif args.compile_only:
+            c = r["collectives"]
+            lines.append(f"{head} {r['compile_s']} | {c['all-gather']} | {c['all-reduce']} | {c['all-to-all']} | "
+                         f"{c['collective-permute']} | {r['remat_warnings']} |")
+        else:
+            lines.append(f"{head} {r['step_ms']} | {r['tokens_per_s']:,.0f} | {_fmt(r, 'speedup', '.2f')} | "
+                         f"{_fmt(r, 'efficiency', '.1%')} | {_fmt(r, 'vs_one_process', '.3f')} | "
+                         f"{r['remat_warnings']} |")
     return lines
 
 

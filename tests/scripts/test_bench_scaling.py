@@ -76,3 +76,15 @@ def test_bad_arguments_are_refused_in_one_line():
     assert proc.returncode == 2 and "--layouts: ['pipeline'] not understood" in proc.stderr
     proc = _run(["--devices", "two"])
     assert proc.returncode == 2 and "--devices and --processes take comma-separated integers" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compile_only_reports_collectives_and_no_rematerialization(tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    proc = _run([*SHORT, "--devices", "4", "--layouts", "tensor", "--compile-only", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = _records(out)  # no one-device baseline: nothing is timed
+    assert record["mesh"] == {"data": 1, "fsdp": 1, "tensor": 4} and "step_ms" not in record
+    assert record["remat_warnings"] == 0 and record["collectives"]["all-reduce"] > 0
+    assert record["collectives"]["all-to-all"] == record["collectives"]["collective-permute"] == 0
+    assert "| tiny | tensor | 4 | 1 | " in proc.stdout and "| compile s | all-gather |" in proc.stdout
