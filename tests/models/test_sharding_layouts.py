@@ -202,3 +202,22 @@ def test_repeated_kv_heads_give_the_single_device_update():
     for got, want in zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(reference.policy.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
     assert abs(float(metrics["policy/loss"]) - float(ref_metrics["policy/loss"])) <= 1e-6
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_repeated_kv_heads_forward_equals_one_device_with_bias_and_lora(lora_rank):
+    """The repeated kernels carry the qkv bias and, with LoRA, the adapters' delta along (non-zero here)."""
+    model = CausalLM(ModelConfig(**CFG, lora_rank=lora_rank))
+    params = init_params(model, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(2)
+    params = jax.tree_util.tree_map_with_path(  # non-zero biases and adapter outputs
+        lambda path, p: p + 0.05 * rng.normal(size=p.shape).astype(np.float32)
+        if jax.tree_util.keystr(path).endswith(("['bias']", "['lora_b']")) else p, params)
+    ids = jnp.asarray(rng.integers(0, CFG["vocab_size"], (4, T)), jnp.int32)
+    reference = jax.jit(model.apply)({"params": params}, ids)
+    mesh = shd.make_mesh({"fsdp": 2, "tensor": 4})
+    with jax.set_mesh(mesh), shd.axis_rules():
+        assert kv_repeats(CFG["num_heads"], CFG["num_kv_heads"]) == 2
+        out = jax.jit(model.apply)({"params": shd.shard_params(model, params, mesh)},
+                                   jax.device_put(ids, shd.batch_sharding(mesh)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=1e-5, rtol=0)
