@@ -197,9 +197,9 @@ def test_repeated_kv_heads_give_the_single_device_update():
         state, metrics = make_train_step(model, alg, optimizer, state_sharding=sharding)(state, rows_sharded)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference_logits), atol=1e-5, rtol=0)
     moved = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(reference.policy.params),
-                                                            jax.tree.leaves(params)))
+                                                            jax.tree.leaves(params), strict=True))
     assert moved > 1e-3  # the step did something
-    for got, want in zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(reference.policy.params)):
+    for got, want in zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(reference.policy.params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
     assert abs(float(metrics["policy/loss"]) - float(ref_metrics["policy/loss"])) <= 1e-6
 
