@@ -210,22 +210,24 @@ def test_an_interrupting_update_labels_the_tokens_of_an_image_request_and_resets
 
     async def go(server):
         async with fake_backend(server.url) as backend:
-            task = asyncio.create_task(backend.generate(image_prompt([image], seed=6), max_tokens=40, n=2,
+            task = asyncio.create_task(backend.generate(image_prompt([image], seed=6), max_tokens=300, n=2,
                                                         images=[image]))
-            while not server.running:
+            for _ in range(2000):  # until both sequences have sampled a few tokens (10 s at most)
+                if server.running and min(map(len, server.running.values())) >= 10:
+                    break
                 await asyncio.sleep(0.005)
-            await asyncio.sleep(0.05)
             await backend.update_weights_from_path("unused-by-the-fake", version=1, interrupt=True)
-            return server, await task
+            return server, not task.done(), await task
 
-    server, completions = run_with_fake_servers(go, {"multimodal": True, "image_token_id": PAD, "token_delay": 0.005,
-                                                         "max_model_len": 512})
+    server, running, completions = run_with_fake_servers(go, {"multimodal": True, "image_token_id": PAD,
+                                                              "token_delay": 0.01, "max_model_len": 512})
+    assert running  # the update did not wait for the sequences
     assert server.calls == ["pause", f"rpc:{ext.IN_FLIGHT_LENGTHS}", f"rpc:{ext.RELOAD_FROM_PATH}", "reset",
                             "reset_encoder", "resume"]
     for completion in completions:
         before = completion.token_versions.count(0)
-        assert 0 < before < 40 and completion.token_versions == [0] * before + [1] * (40 - before)
-        assert completion.logprobs == [-1.0] * before + [-2.0] * (40 - before)
+        assert 10 <= before < 300 and completion.token_versions == [0] * before + [1] * (300 - before)
+        assert completion.logprobs == [-1.0] * before + [-2.0] * (300 - before)
 
 
 # ------------------------------------------------------------------------------------------- start script
