@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import traverse_util
 from safetensors import safe_open
 from safetensors.flax import save_file

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from agentfly_jax.rewards.decorator import REWARD_ERROR_KINDS
-from agentfly_jax.rollout.templates import ConversationEncoder, EncoderCache
+from agentfly_jax.rollout.templates import ConversationEncoder, EncoderCache, vision_pad_ids
 from agentfly_jax.rollout.trajectory import CHAIN_ERROR_FLAG, ToolCallRecord, Trajectory
 from agentfly_jax.tools.context import ToolContext
 from agentfly_jax.tools.execute import TOOL_ERROR_KINDS, ToolResult, execute_tool_calls, parse_error_result
@@ -264,6 +264,8 @@ async def _chain_turns(
     if len(encoder.token_ids) >= agent.max_context_tokens:
         _prompt_too_long(agent, state, stats)
         return
+    # a vision-language policy may sample a vision pad id; it would stand for image features nobody sent
+    vision_pads = vision_pad_ids(agent.tokenizer) if getattr(agent.backend, "supports_images", False) else ()
     for turn in range(max_turns):
         room = agent.max_context_tokens - len(encoder.token_ids)
         if room <= 0:
@@ -291,6 +293,14 @@ async def _chain_turns(
             raise RuntimeError("the backend returned a non-finite logprob for a sampled token")
         if completion.finish_reason == "abort":
             raise RuntimeError("the backend aborted the request")
+        if vision_pads and not vision_pads.isdisjoint(sampled):
+            # The next prompt's pads would no longer match its images (the samplers refuse it) and the update could
+            # not place features for them: the chain is a chain error, dropped from the batch and counted.
+            raise RuntimeError(
+                f"the policy sampled a vision pad token (ids {sorted(vision_pads & set(sampled))}) in turn "
+                f"{turn + 1}; it stands for image features, not text, so the chain cannot go on and is dropped "
+                "(an SFT warm start on the task's demonstrations makes a vision-language policy stop writing them)"
+            )
         # The version that sampled each token when the backend reports it (weights swapped mid-turn give a turn
         # several), else the version that sampled the turn's first token, else the one served when the request
         # went out, for every token of the turn.

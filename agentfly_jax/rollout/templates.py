@@ -178,6 +178,19 @@ def _image_pad_id(tokenizer: Any) -> int:
     return int(ids[0])
 
 
+def vision_pad_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of `<|image_pad|>` and `<|video_pad|>` that the tokenizer has as added tokens (empty for a
+    tokenizer without vision tokens). Each stands for one slot of an image's (video's) features: a policy must
+    not write them itself."""
+    added = _added_vocab(tokenizer)
+    ids = set()
+    for token in (IMAGE_PAD, "<|video_pad|>"):
+        encoded = _encode_text(tokenizer, token) if token in added else []
+        if len(encoded) == 1:
+            ids.add(int(encoded[0]))
+    return frozenset(ids)
+
+
 def _expand_images(
     text: str,
     images: Sequence[PreparedImage],

@@ -682,6 +682,27 @@ def test_backends_that_do_not_take_images_fail_the_chain_with_a_clear_error(qwen
     assert "holds 1 images but the backend TextOnlyBackend does not take images" in trajectory.metrics["error"]
 
 
+def test_a_vision_pad_the_policy_samples_ends_its_chain_as_a_counted_error(qwen_tokenizer):
+    """A vision-language policy that writes <|image_pad|> itself: the pad would stand for image features nobody
+    sent (the next prompt's pads no longer match its images; the update could not place them), so the chain ends
+    as a chain error (dropped from the batch, counted) with a message saying why. A text policy's backend is not
+    checked: there the token is just text."""
+    backend = FakeScriptedBackend(qwen_tokenizer, scripted(["It is <|image_pad|> grey.", "Grey."]))
+    vision_agent = picture_agent(qwen_tokenizer, backend)
+    [trajectory] = rollout(vision_agent, [{"question": "What colour?"}])
+    assert trajectory.finish_reason == "error" and trajectory.chain_error and len(backend.calls) == 1
+    assert vision_agent.last_run_stats["chain_errors"] == 1
+    assert f"sampled a vision pad token (ids [{IMAGE_PAD_ID}]) in turn 1" in trajectory.metrics["error"]
+
+    class TextPolicyBackend(FakeScriptedBackend):
+        supports_images = False
+
+    text_backend = TextPolicyBackend(qwen_tokenizer, scripted(["It is <|image_pad|> grey."]))
+    agent = ToolCallingAgent(text_backend, qwen_tokenizer, tools=[look], chat_template="qwen2.5", max_turns=2)
+    [plain] = rollout(agent, [{"question": "What colour?"}])
+    assert plain.finish_reason == "stop" and not plain.chain_error and IMAGE_PAD_ID in plain.token_ids
+
+
 def test_agent_pixel_settings_size_the_images(qwen_tokenizer):
     backend = FakeScriptedBackend(qwen_tokenizer, scripted(["Grey."]))
     [trajectory] = rollout(picture_agent(qwen_tokenizer, backend, max_pixels=28 * 28 * 4), [{"question": "q?"}])
