@@ -345,23 +345,12 @@ class ModelConfig:
         arch = _FAMILY_TO_ARCH[self.family]
         if self.family == "qwen2_5_vl":
             return self._vl_hf_dict(torch_dtype)
-        out = dict(self.extra)
+        out = {**self.extra, **self._decoder_hf_fields()}
         out.update(
             architectures=[arch],
             model_type=self.family,
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
             head_dim=self.resolved_head_dim,
-            hidden_act="silu",
-            rms_norm_eps=self.rms_norm_eps,
-            # transformers 5 reads `rope_parameters`; `rope_theta` is kept for readers of the older layout.
-            rope_theta=self.rope_theta,
             rope_parameters={"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta},
-            max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
             dtype=torch_dtype,
         )
@@ -373,10 +362,11 @@ class ModelConfig:
             out.update(use_sliding_window=False)
         return out
 
-    def _vl_hf_dict(self, torch_dtype: str) -> dict:
-        text = dict(self.extra)
-        text.update(
-            model_type="qwen2_5_vl_text",
+    def _decoder_hf_fields(self) -> dict:
+        """The decoder's hyper-parameters under their HF config names (the text and the VL layouts share them).
+        transformers 5 reads `rope_parameters` (set by each layout); `rope_theta` is kept for readers of the older
+        layout."""
+        return dict(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -386,9 +376,15 @@ class ModelConfig:
             hidden_act="silu",
             rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+    def _vl_hf_dict(self, torch_dtype: str) -> dict:
+        text = {**self.extra, **self._decoder_hf_fields()}
+        text.update(
+            model_type="qwen2_5_vl_text",
             rope_parameters={"rope_type": "default", "mrope_section": list(self.mrope_section),
                              "rope_theta": self.rope_theta},
-            max_position_embeddings=self.max_position_embeddings,
             use_sliding_window=False,
         )
         v = self.vision
