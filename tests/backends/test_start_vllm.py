@@ -19,15 +19,15 @@ HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% for c in m.tool_call
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
-@pytest.fixture
-def fake_vllm(tmp_path):
-    """An executable standing in for vLLM's python: `-c ...` (the CUDA probe) fails, `-m vllm... serve` writes its
-    arguments to argv.json and serves /health until stopped."""
-    script = tmp_path / "fake_vllm_python"
+def write_fake_vllm_python(directory, probe: str = "sys.exit(1)"):
+    """An executable standing in for vLLM's python: `-c ...` (start_vllm.sh's probes) runs `probe` (by default it
+    fails, as the CUDA probe does on this machine), `-m vllm... serve` writes its arguments to $FAKE_VLLM_ARGV and
+    serves /health until stopped."""
+    script = directory / "fake_vllm_python"
     script.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
         import http.server, json, os, sys
         if sys.argv[1] == "-c":
-            sys.exit(1)
+            PROBE
         args = sys.argv[1:]
         with open(os.environ["FAKE_VLLM_ARGV"], "w") as fh:
             json.dump(args, fh)
@@ -38,9 +38,14 @@ def fake_vllm(tmp_path):
             def log_message(self, *a):
                 pass
         http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health).serve_forever()
-    """))
+    """).replace("PROBE", probe))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    return write_fake_vllm_python(tmp_path)
 
 
 def launch(tmp_path, fake_vllm, model_dir, *extra, **env):

@@ -17,10 +17,7 @@ import base64
 import io
 import json
 import os
-import stat
 import subprocess
-import sys
-import textwrap
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +32,7 @@ from agentfly_jax.rollout.backends import VLLMBackend, VLLMServerError
 from agentfly_jax.rollout.backends import vllm_worker_ext as ext
 from tests.backends.conftest import REPO, TINY_QWEN2, VLLMServerProcess
 from tests.backends.fake_vllm import run_with_fake_servers
-from tests.backends.test_start_vllm import launch, model_dir
+from tests.backends.test_start_vllm import launch, model_dir, write_fake_vllm_python
 
 VOCAB = 1024
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -233,26 +230,10 @@ def test_an_interrupting_update_labels_the_tokens_of_an_image_request_and_resets
 # ------------------------------------------------------------------------------------------- start script
 @pytest.fixture
 def vllm_stand_in(tmp_path):
-    """An executable standing in for vLLM's python (test_start_vllm.py's, plus the torchvision probe: `-c` code that
-    looks for torchvision succeeds unless FAKE_NO_TORCHVISION is set; other `-c` code, the CUDA probe, fails)."""
-    script = tmp_path / "fake_vllm_python"
-    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
-        import http.server, json, os, sys
-        if sys.argv[1] == "-c":
-            sys.exit(0 if "torchvision" in sys.argv[2] and not os.environ.get("FAKE_NO_TORCHVISION") else 1)
-        args = sys.argv[1:]
-        with open(os.environ["FAKE_VLLM_ARGV"], "w") as fh:
-            json.dump(args, fh)
-        class Health(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                self.send_response(200)
-                self.end_headers()
-            def log_message(self, *a):
-                pass
-        http.server.HTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Health).serve_forever()
-    """))
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    return script
+    """test_start_vllm.py's stand-in for vLLM's python, plus the torchvision probe: `-c` code that looks for
+    torchvision succeeds unless FAKE_NO_TORCHVISION is set; other `-c` code, the CUDA probe, fails."""
+    return write_fake_vllm_python(tmp_path, 'sys.exit(0 if "torchvision" in sys.argv[2] '
+                                            'and not os.environ.get("FAKE_NO_TORCHVISION") else 1)')
 
 
 def vl_model_dir(tmp_path, name, tokenizer=True, preprocessor=True):
