@@ -23,6 +23,7 @@ from agentfly_jax.rollout.templates import encode_conversation
 from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
 from agentfly_jax.tools import tool
 from agentfly_jax.tools.parsers import ParseResult, ToolCall
+from tests.models.hf_reference import build
 
 IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END = 151655, 151656, 151652, 151653
 TOL = 1e-4
@@ -54,18 +55,8 @@ PICTURES = {"wide": random_picture(60, 90, 1), "big": random_picture(115, 140, 2
 def checkpoint(tmp_path_factory):
     """(transformers model, our model, our params) of one tiny random Qwen2.5-VL checkpoint."""
     path = str(tmp_path_factory.mktemp("tiny_qwen2_5_vl"))
-    config = transformers.Qwen2_5_VLConfig(**HF_CONFIG)
-    torch.manual_seed(0)
-    hf_model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32,
-                                                                             attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if "norm" in name or "ln_q" in name:  # RMSNorm scales around 1, perturbed so a wrong norm is visible
-                p.normal_(1.0, 0.2)
-            else:
-                p.normal_(0.0, 0.1)
-    hf_model.eval()
-    hf_model.save_pretrained(path)
+    hf_model = build(transformers.Qwen2_5_VLConfig(**HF_CONFIG), path,
+                     cls=transformers.Qwen2_5_VLForConditionalGeneration, attn_implementation="eager")
     model, params = load_pretrained(path)
     return hf_model, model, params
 

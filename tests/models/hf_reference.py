@@ -20,13 +20,16 @@ def llama3_config(**kw):
                                        "rope_theta": 500000.0, "rope_scaling": scaling, **kw})
 
 
-def build(config, path, seed=0, cls=transformers.AutoModelForCausalLM):
-    """Random model saved to `path`; weights drawn large enough that every layer matters."""
+def build(config, path, seed=0, cls=transformers.AutoModelForCausalLM, **kwargs):
+    """Random model saved to `path`; weights drawn large enough that every layer matters. `cls` is an auto class
+    (`from_config`) or a model class (`_from_config`); `kwargs` go to it (e.g. attn_implementation)."""
     torch.manual_seed(seed)
-    model = cls.from_config(config, dtype=torch.float32)
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    model = make(config, dtype=torch.float32, **kwargs)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # RMSNorm scales around 1, perturbed so a wrong norm is visible
+            # RMSNorm scales (the VL merger's is `ln_q`) around 1, perturbed so a wrong norm is visible
+            if "norm" in name or "ln_q" in name:
                 p.normal_(1.0, 0.2)
             else:
                 p.normal_(0.0, 0.1)

@@ -24,6 +24,7 @@ from agentfly_jax.models import (
     vision_layout,
 )
 from agentfly_jax.models import sharding as shd
+from tests.models.hf_reference import build
 
 TOL = 1e-4
 IMAGE, VIDEO, START, END = 290, 291, 292, 293
@@ -47,18 +48,8 @@ IMAGE_SIZES = {"a": (56, 84), "b": (112, 140), "c": (28, 56)}  # (height, width)
 
 def _build(path, tie=False, seed=0):
     cfg = transformers.Qwen2_5_VLConfig(**HF_CONFIG, tie_word_embeddings=tie)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=torch.float32,
-                                                                          attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:  # RMSNorm scales around 1, perturbed so a wrong norm is visible
-                p.normal_(1.0, 0.2)
-            else:
-                p.normal_(0.0, 0.1)
-    model.eval()
-    model.save_pretrained(path)
-    return model
+    return build(cfg, path, seed=seed, cls=transformers.Qwen2_5_VLForConditionalGeneration,
+                 attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
