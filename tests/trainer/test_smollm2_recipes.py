@@ -29,15 +29,21 @@ def checkpoint():
     return CHECKPOINT
 
 
+def train_cpu_variant(experiment: str, workdir, timeout: int = 1500) -> None:
+    """`experiments/<experiment>:cpu` through the `agentfly-train` module in its own process, as a user starts it
+    (one CPU device: the suite's conftest fakes 8); fails with the run's stderr when it does not finish."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "agentfly_jax.train", f"--config={ROOT}/experiments/{experiment}:cpu",
+           f"--config.workdir={workdir}", "--config.progress=False"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_cpu_variant_runs_sft_and_an_rl_step_on_the_real_model(recipe, tmp_path, checkpoint):
     workdir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it (the suite's conftest fakes 8)
-    cmd = [sys.executable, "-m", "agentfly_jax.train", f"--config={ROOT}/experiments/smollm2_{recipe}.py:cpu",
-           f"--config.workdir={workdir}", "--config.progress=False"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    train_cpu_variant(f"smollm2_{recipe}.py", workdir)
 
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["environment"] in (recipe, "math_word")

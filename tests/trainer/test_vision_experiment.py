@@ -5,8 +5,6 @@ export), images reaching the model at every stage."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from agentfly_jax.rollout.tokenizers import build_llama3_style_tokenizer, build_
 from agentfly_jax.trainer import builders
 from agentfly_jax.trainer.config import ConfigError, TrainConfig
 from experiments import visual_scenes_grpo
+from tests.trainer.test_smollm2_recipes import train_cpu_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,12 +91,7 @@ def test_build_policy_makes_a_qwen2_5_vl_policy_with_the_tokenizers_vision_token
 @pytest.mark.slow
 def test_cpu_variant_trains_on_images_end_to_end(tmp_path):
     workdir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it (the suite's conftest fakes 8)
-    cmd = [sys.executable, "-m", "agentfly_jax.train", f"--config={ROOT}/experiments/visual_scenes_grpo.py:cpu",
-           f"--config.workdir={workdir}", "--config.progress=False"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    train_cpu_variant("visual_scenes_grpo.py", workdir, timeout=900)
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["environment"] == "visual_scenes"
 
