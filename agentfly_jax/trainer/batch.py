@@ -172,7 +172,8 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
               rewards: np.ndarray, group_ids: np.ndarray, minibatch: np.ndarray, num_minibatches: int,
               micro_batches: int = 1, rows_multiple: int = 1, row_len: int | None = None,
               micro_batch_tokens: int | None = None, images: Mapping[str, np.ndarray] | None = None,
-              model_config: ModelConfig | None = None, pad_patches_to: int | None = None) -> UpdateBatch:
+              model_config: ModelConfig | None = None, pad_patches_to: int | None = None, min_rows: int = 0,
+              row_blocks: int = 1) -> UpdateBatch:
     """Packs per-trajectory arrays `[N, T]` into an UpdateBatch (numpy leaves).
 
     Each mini-batch is packed into rows of `row_len` (default T) tokens by first-fit-decreasing; every
@@ -185,6 +186,12 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
     `model_config`, the vision-language policy's config (its `vision` and mRoPE), the rows get `vision` (each
     micro-batch's images, padded to `pad_patches_to` patches or the smallest power of two >= MIN_PATCH_BUCKET
     that holds the largest micro-batch's) and mRoPE positions (see `pack_vision`).
+
+    Several processes (each packs its own trajectories, its rows one block of a global batch of `row_blocks`
+    equal blocks per micro-batch, see `rows_needed` and `place_block`): `min_rows` is the most rows any process's
+    mini-batch needs, so that every process gets the same R and M; the micro-batch count is chosen for the global
+    batch (`row_blocks` times the rows and the row multiple; `micro_batch_tokens` counts the global micro-batch).
+    The defaults (0, 1) pack one process's whole batch.
     """
     tokens = np.asarray(tokens)
     n, t = tokens.shape
@@ -202,8 +209,10 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
         row, offset, used = first_fit_decreasing(lengths[members], row_len)
         placement.append((members, row, offset))
         used_max = max(used_max, used)
-    micro_batches = micro_batch_count(used_max, micro_batches=micro_batches, rows_multiple=rows_multiple,
-                                      row_len=row_len, max_tokens=micro_batch_tokens)
+    used_max = max(used_max, int(min_rows))
+    micro_batches = micro_batch_count(used_max * row_blocks, micro_batches=micro_batches,
+                                      rows_multiple=rows_multiple * row_blocks, row_len=row_len,
+                                      max_tokens=micro_batch_tokens)
     rows = round_up(used_max, micro_batches * rows_multiple)
 
     def zeros(dtype):
@@ -251,6 +260,40 @@ def pack_step(tokens: np.ndarray, action_mask: np.ndarray, sampler_logprobs: np.
         packed = packed.replace(positions=lead(positions), vision=jax.tree.map(lead, vision))
     return UpdateBatch(rows=packed, rewards=np.asarray(rewards, np.float32), group_ids=np.asarray(group_ids, np.int32),
                        minibatch=minibatch, lengths=lengths, pack_index=split(pack_index), unpack_index=unpack_index)
+
+
+def rows_needed(lengths: np.ndarray, minibatch: np.ndarray, num_minibatches: int, row_len: int) -> int:
+    """The packed rows the fullest of the mini-batches needs (first-fit-decreasing, as `pack_step` packs; at
+    least 1): what processes compare before packing so that they all pack to the same shapes."""
+    lengths, minibatch = np.asarray(lengths, np.int32), np.asarray(minibatch, np.int32)
+    return max([1] + [first_fit_decreasing(lengths[minibatch == k], row_len)[2] for k in range(num_minibatches)])
+
+
+def place_block(batch: UpdateBatch, *, first_trajectory: int, num_trajectories: int) -> UpdateBatch:
+    """A process's packed block (`pack_step` of its own trajectories) with `pack_index` numbering the trajectories
+    globally: its trajectories are `first_trajectory`, ... of the `num_trajectories` of every process (in process
+    order), padding slots point at `num_trajectories * T`. The per-trajectory arrays stay this process's own;
+    `unpack_index` still indexes the block's own slots (the global one is computed from the global `pack_index`,
+    `unpack_index_from`)."""
+    n, t = np.asarray(batch.unpack_index).shape
+    index = np.asarray(batch.pack_index)
+    placed = np.where(index >= n * t, num_trajectories * t, index + first_trajectory * t).astype(np.int32)
+    return batch.replace(pack_index=placed)
+
+
+def unpack_index_from(pack_index, num_trajectories: int, row_len: int):
+    """The `[N, T]` unpack_index that `pack_index` [K, M, R, L] implies (the flat slot of each trajectory token, -1
+    past each trajectory's end); jnp or np. pack_step builds both on the host; a batch assembled from several
+    processes' blocks gets its unpack_index from its global pack_index this way."""
+    xp = np if isinstance(pack_index, np.ndarray) else jax.numpy
+    slots = xp.arange(pack_index.size, dtype=np.int32)
+    flat = xp.full((num_trajectories * row_len,), -1, np.int32)
+    if xp is np:
+        real = pack_index.reshape(-1) < num_trajectories * row_len
+        flat[pack_index.reshape(-1)[real]] = slots[real]
+    else:  # indices past the end (padding) are dropped
+        flat = flat.at[pack_index.reshape(-1)].set(slots, mode="drop")
+    return flat.reshape(num_trajectories, row_len)
 
 
 def patch_bucket(count: int, smallest: int = MIN_PATCH_BUCKET) -> int:

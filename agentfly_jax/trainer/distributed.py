@@ -363,3 +363,57 @@ def start(cfg) -> bool:
         check_same_everywhere(cfg)
         _rounds["checked"] = digest
     return True
+
+
+# ============================================================================= host-level exchange between processes
+#: How long `allgather_json` waits for a process's value (another process may still be rolling out its share).
+EXCHANGE_TIMEOUT_S = 3600.0
+_exchanges = {"count": 0}
+
+
+def process_share(count: int, index: int | None = None, processes: int | None = None) -> slice:
+    """The contiguous share of `count` items (a step's tasks, the held-out tasks) that process `index` of
+    `processes` (default: this process of the running system) takes: disjoint, deterministic, in order (the
+    shares of processes 0, 1, ... concatenated are the items), sizes differing by at most one."""
+    if index is None or processes is None:
+        state = _runtime()
+        index = state.process_id if index is None else index
+        processes = (state.num_processes or 1) if processes is None else processes
+    index, processes = int(index or 0), int(processes or 1)
+    return slice(index * count // processes, (index + 1) * count // processes)
+
+
+def allgather_json(value: Any, timeout_s: float | None = None) -> list:
+    """Every process's `value` (JSON-able: numbers, strings, lists, dicts), in process order, through the
+    coordinator's key-value store: host data only, no device work and nothing to compile. One process: [value].
+    Collective: every process calls it the same number of times, in the same order. A process that does not
+    publish within `timeout_s` (default EXCHANGE_TIMEOUT_S) is named in a DistributedError."""
+    state = _runtime()
+    client, me, n = state.client, state.process_id, state.num_processes
+    if client is None or not n or n == 1:
+        return [value]
+    timeout_s = EXCHANGE_TIMEOUT_S if timeout_s is None else timeout_s
+    _exchanges["count"] += 1
+    count = _exchanges["count"]
+    base = f"{_KV_PREFIX}/exchange"
+    mine = _json(value)
+    client.key_value_set(f"{base}/{count}/{me}", mine)
+    out = []
+    for i in range(n):
+        if i == me:
+            out.append(json.loads(mine))
+            continue
+        try:
+            out.append(json.loads(client.blocking_key_value_get(f"{base}/{count}/{i}", int(timeout_s * 1000))))
+        except Exception as e:  # a deadline or a coordinator gone: JAX's runtime error
+            raise DistributedError(f"process {i} of {n} did not publish its share of exchange {count} within "
+                                   f"{timeout_s:.0f} s: it failed or hangs, see its log "
+                                   f"({str(e).strip().splitlines()[0] if str(e).strip() else e})") from e
+    # every process has read every value of exchange count - 1 before it published this one, so the values of
+    # count - 2 are read everywhere: this process's can go (the store would otherwise grow every step)
+    if count > 2:
+        try:
+            client.key_value_delete(f"{base}/{count - 2}/{me}")
+        except Exception as e:  # noqa: BLE001 - a value left in the store costs memory, not correctness
+            log.debug("could not delete exchange %d's value: %s", count - 2, e)
+    return out

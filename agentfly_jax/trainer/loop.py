@@ -12,6 +12,13 @@ asyncio event loop kept for the whole run; everything else is plain Python aroun
 With `rl.max_staleness` > 0 (asynchronous off-policy training, trainer/async_rollouts.py) that event loop runs in
 its own thread and the rollouts of the next steps (at most max_staleness policy versions ahead) run while a
 step updates; the step's order above is kept for the trainer, and `AsyncSteps` hands it each step's batch.
+
+Several processes (jax.distributed, docs/tpu.md) run the same loop: each rolls out its own contiguous share of a
+step's tasks (and of the held-out tasks) on its own backend and environments, packs its own rows into its block of
+the global batch, and the processes exchange only host-sized data (counts, rewards, the scalars) through the
+coordinator's key-value store (`distributed.allgather_json`); SFT batches, which every process can build, are
+built whole everywhere and each process hands its devices their part. Process 0 alone writes config.json, the
+metrics, summary.json and the final export; checkpoints are saved and restored by all processes (orbax).
 """
 from __future__ import annotations
 
@@ -39,7 +46,8 @@ from agentfly_jax.rollout.trajectory import Trajectory, images_to_batch
 from agentfly_jax.trainer import builders, distributed
 from agentfly_jax.trainer.async_rollouts import RolloutProducer, ThreadedRunner, staleness_filter
 from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_bucket, drop_failed_chains,
-                                       no_chains_left_error, pack_step)
+                                       no_chains_left_error, pack_step, place_block, rows_needed,
+                                       unpack_index_from)
 from agentfly_jax.trainer.checkpoint import Checkpointer
 from agentfly_jax.trainer.config import OptimizerConfig, TrainConfig
 from agentfly_jax.trainer.export import export_policy
@@ -125,7 +133,7 @@ def _check_finite(tree, what: str) -> None:
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
     if not leaves:
         return
-    finite = jax.device_get(_all_finite([x for _, x in leaves]))
+    finite = _fetch(_all_finite([x for _, x in leaves]))
     bad = [path for (path, _), ok in zip(leaves, finite) if not ok]
     if bad:
         raise NonFiniteTrainingError(f"refusing to {what}: {len(bad)} tensors hold NaN or inf "
@@ -145,19 +153,30 @@ def setup(config, workdir: str | None = None) -> Run:
     if cfg.backend == "vllm" and not cfg.vllm.launch:
         builders.probe_vllm_servers(cfg.vllm.urls)
     workdir = workdir or cfg.workdir
+    multi, writer_process = jax.process_count() > 1, jax.process_index() == 0
+    if multi:
+        _check_shares(cfg)
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as fh:
-        json.dump(dataclasses.asdict(cfg), fh, indent=2, default=str)
+    if writer_process:
+        with open(os.path.join(workdir, "config.json"), "w") as fh:
+            json.dump(dataclasses.asdict(cfg), fh, indent=2, default=str)
 
     # --- Environment, tokenizer, tasks, models -----------------------------------------------------
     task_setup = builders.build_task_setup(cfg)
+    # a tokenizer built into the workdir (config.tokenizer.kind='env'): process 0 writes it, the others read it
+    if multi and not writer_process:
+        distributed.allgather_json("waiting for the tokenizer")
     tokenizer = builders.build_tokenizer(cfg, task_setup, workdir)
+    if multi and writer_process:
+        distributed.allgather_json("tokenizer written")
     train_tasks, eval_tasks = builders.build_tasks(cfg, task_setup)
     policy, policy_params = builders.build_policy(cfg, tokenizer)
     builders.check_vision_critic(policy, alg.needs_critic)
 
     # --- Create optimizers & state; shard & transfer ----------------------------------------------
     mesh, rules = builders.build_mesh(cfg), builders.sharding_rules(cfg)
+    if multi:
+        _data_parallel_block(mesh)  # refuses a mesh whose data-parallel shards span processes, before any work
     policy_opt, policy_schedule = _optimizer(cfg.optimizer)
     critic, critic_params, critic_opt = None, None, None
     if alg.needs_critic:
@@ -185,14 +204,14 @@ def setup(config, workdir: str | None = None) -> Run:
     serving_model, serve_params = builders.serving_view(policy)
     # a vision-language policy's launched vLLM servers read its tokenizer and image settings from the model directory
     vision = {"tokenizer": tokenizer} if builders.is_vision_language(policy) else {}
-    backend = builders.build_backend(cfg, serving_model, serve_params(state.policy.params), workdir, **vision)
+    backend = _build_backend(cfg, serving_model, serve_params(state.policy.params), workdir, **vision)
     runner = ThreadedRunner() if cfg.rl.max_staleness else asyncio.Runner()  # after the backend: nothing to leak
     env_manager = None
     try:
         env_manager = builders.build_env_manager(task_setup)
         agent = builders.build_agent(cfg, task_setup, backend, tokenizer, env_provider=env_manager)
         builders.check_vision_agent(policy, agent)
-        writer = MetricWriter(os.path.join(workdir, "tensorboard"))
+        writer = MetricWriter(os.path.join(workdir, "tensorboard"), active=writer_process)
         checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
                                     keep=cfg.checkpoint.keep)
     except BaseException:  # launched vLLM servers and pooled environments must not outlive a failed setup
@@ -257,10 +276,10 @@ def run_sft(run: Run) -> dict:
             bar.update()
             unchecked.append((step, metrics["sft/nonfinite"]))
             if step % cfg.log_every == 0:
-                run.writer.scalars(step, {**jax.device_get(metrics),
+                run.writer.scalars(step, {**_fetch(metrics),
                                           **{k.replace("update/", "sft/"): v for k, v in image_metrics.items()}})
             if step % cfg.log_every == 0 or step == total:
-                for at, skipped in zip([s for s, _ in unchecked], jax.device_get([v for _, v in unchecked])):
+                for at, skipped in zip([s for s, _ in unchecked], _fetch([v for _, v in unchecked])):
                     guard.observe(float(skipped), "sft", at, 1)
                 unchecked.clear()
     bar.close()
@@ -272,7 +291,7 @@ def run_sft(run: Run) -> dict:
         critic_params = {**run.state.critic.params, "model": jax.tree.map(jnp.copy, trunk)}
         run.state = run.state.replace(critic=init_model_state(critic_params, run.critic_opt))
     run.state = jax.device_put(run.state, run.shardings)
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return {k: float(v) for k, v in _fetch(metrics).items()}
 
 
 def _as_agent_prompts(agent, messages: list[dict]) -> list[dict]:
@@ -330,17 +349,26 @@ def _eval_pass(run: Run, step: int, tasks, temperature: float, top_p: float, num
     # (asynchronous training) on the same backend, tools and environments, at their own settings
     agent = copy.copy(run.agent)
     agent.temperature, agent.top_p = temperature, top_p
-    trajs = run.runner.run(agent.run(tasks, num_chains=num_chains, seed=10_000_019 + step,
+    multi = jax.process_count() > 1
+    if multi:  # each process evaluates its own share of the tasks; the scalars are over every process's chains
+        tasks = tasks[distributed.process_share(len(tasks))]
+    trajs = run.runner.run(agent.run(tasks, num_chains=num_chains, seed=_process_seed(10_000_019 + step),
                                      progress=run.config.progress))
-    rewards = np.array([t.reward for t in trajs])
-    sample = trajs[0]
-    run.writer.text(step, f"eval/sample_trajectory{suffix}",
-                    f"reward={sample.reward} finish={sample.finish_reason}\n\n"
-                    + run.tokenizer.decode(sample.token_ids, skip_special_tokens=False))
+    if trajs:  # process 0's first chain (the first of the run's); process 0 alone writes
+        sample = trajs[0]
+        run.writer.text(step, f"eval/sample_trajectory{suffix}",
+                        f"reward={sample.reward} finish={sample.finish_reason}\n\n"
+                        + run.tokenizer.decode(sample.token_ids, skip_special_tokens=False))
+    rewards, turns, tool_calls = ([t.reward for t in trajs], [t.num_turns for t in trajs],
+                                  [t.tool_calls for t in trajs])
+    if multi:
+        every = distributed.allgather_json([rewards, turns, tool_calls])
+        rewards, turns, tool_calls = ([v for own in every for v in own[i]] for i in range(3))
+    rewards = np.array(rewards)
     return {f"eval/success{suffix}": float((rewards >= run.task_setup.success_threshold).mean()),
             f"eval/reward{suffix}": float(rewards.mean()),
-            f"eval/turns{suffix}": float(np.mean([t.num_turns for t in trajs])),
-            f"eval/tool_calls{suffix}": float(np.mean([t.tool_calls for t in trajs]))}
+            f"eval/turns{suffix}": float(np.mean(turns)),
+            f"eval/tool_calls{suffix}": float(np.mean(tool_calls))}
 
 
 # ============================================================================================ RL step
@@ -352,11 +380,22 @@ def _step_tasks(run: Run, step: int, extra_round: int = 0) -> list[dict]:
     count, n = cfg.rl.tasks_per_step, len(run.train_tasks)
     if extra_round:  # distinct tasks within the round (a task drawn twice would share its group id)
         pick = np.random.default_rng([cfg.seed, step, 2, extra_round]).choice(n, size=count, replace=count > n)
-        return [run.train_tasks[i] for i in pick]
+        return _own_share([run.train_tasks[i] for i in pick])
     order = np.random.default_rng(cfg.seed * 1_000_003 + step // max(1, n))
     start = (step * count) % n
     perm = order.permutation(n)
-    return [run.train_tasks[perm[(start + i) % n]] for i in range(count)]
+    return _own_share([run.train_tasks[perm[(start + i) % n]] for i in range(count)])
+
+
+def _own_share(tasks: list) -> list:
+    """This process's contiguous share of a step's tasks (all of them with one process)."""
+    return tasks if jax.process_count() == 1 else tasks[distributed.process_share(len(tasks))]
+
+
+def _process_seed(seed: int) -> int:
+    """A rollout seed of this process: the seed itself on process 0 (and with one process), another one on each
+    other process, whose chains would otherwise repeat process 0's per-(task index, chain, turn) seeds."""
+    return seed + 1_000_000_007 * jax.process_index()
 
 
 def rollout(run: Run, step: int):
@@ -377,27 +416,40 @@ def rollout(run: Run, step: int):
     cfg = run.config
     rl = cfg.rl
     failed, round_stats = [], []
+    processes, me = jax.process_count(), jax.process_index()
 
     async def run_and_count(tasks, seed):
         trajectories = await run.agent.run(tasks, num_chains=rl.chains_per_task, seed=seed, progress=cfg.progress)
         return trajectories, dict(run.agent.last_run_stats)  # no await in between: this call's own counters
 
     def sample(tasks, round_index):
-        trajectories, stats = run.runner.run(run_and_count(tasks, cfg.seed * 7919 + step + 1_000_033 * round_index))
+        trajectories, stats = run.runner.run(run_and_count(
+            tasks, _process_seed(cfg.seed * 7919 + step + 1_000_033 * round_index)))
         round_stats.append(stats)
         kept, dropped = drop_failed_chains(trajectories)
         failed.extend(dropped)
+        if processes > 1:  # group ids unique over the processes (each numbers its own tasks)
+            for t in trajectories:
+                t.group_id = t.group_id * processes + me
         return kept
+
+    def no_chains_left(metrics):
+        # several processes: a process left without chains goes on (the others may have some); make_batch
+        # stops every process when none has any (`_CHAIN_ERROR` carries this process's count and first error)
+        if processes == 1:
+            raise no_chains_left_error(failed, step)
+        return {**metrics, _CHAIN_ERROR: [len(failed), str(no_chains_left_error(failed, step))]}
 
     if not rl.dynamic_sampling:
         trajectories = sample(_step_tasks(run, step), 0)
+        metrics = {"rollout/chain_errors_dropped": float(len(failed)), **_prefixed(round_stats[0])}
         if not trajectories:
-            raise no_chains_left_error(failed, step)
-        return trajectories, trajectories, {"rollout/chain_errors_dropped": float(len(failed)),
-                                            **_prefixed(round_stats[0])}
+            metrics = no_chains_left(metrics)
+        return trajectories, trajectories, metrics
+    target = len(_own_share(list(range(rl.tasks_per_step))))  # this process's share of the step's groups
     kept, dropped, every = [], [], []
     rounds = 0
-    while len(kept) < rl.tasks_per_step and rounds <= rl.dynamic_sampling_max_rounds:
+    while len(kept) < target and rounds <= rl.dynamic_sampling_max_rounds:
         trajectories = sample(_step_tasks(run, step, rounds), rounds)
         every.extend(trajectories)
         groups: dict[int, list] = {}
@@ -407,12 +459,12 @@ def rollout(run: Run, step: int):
             rewards = {t.reward for t in group}
             (kept if len(rewards) > 1 else dropped).append(group)
         rounds += 1
-    filled = max(0, rl.tasks_per_step - len(kept))
-    chosen = kept[:rl.tasks_per_step] + dropped[len(dropped) - filled:] if filled else kept[:rl.tasks_per_step]
+    filled = max(0, target - len(kept))
+    chosen = kept[:target] + dropped[len(dropped) - filled:] if filled else kept[:target]
     train_on = []
     for new_id, group in enumerate(chosen):
         for t in group:
-            t.group_id = new_id
+            t.group_id = new_id * processes + me
             train_on.append(t)
     metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_kept": float(len(kept)),
                "dynamic_sampling/groups_dropped": float(len(dropped)),
@@ -420,13 +472,13 @@ def rollout(run: Run, step: int):
                "dynamic_sampling/chains_sampled": float(len(every)),
                "rollout/chain_errors_dropped": float(len(failed))}
     if not train_on:
-        raise no_chains_left_error(failed, step)
+        metrics = no_chains_left(metrics)
     combined = _combine_round_stats(round_stats)  # every round's chains
     run.agent.last_run_stats = combined
     metrics.update(_prefixed(combined))
     if filled:
         log.warning("step %d: dynamic sampling found %d of %d groups with reward signal in %d rounds; %d groups "
-                    "without signal fill the batch", step, len(kept), rl.tasks_per_step, rounds, filled)
+                    "without signal fill the batch", step, len(kept), target, rounds, filled)
     return train_on, every, metrics
 
 
@@ -537,11 +589,14 @@ def overlong_shaping(run: Run, arrays: dict) -> dict:
             "reward/overlong_fraction": float((penalty < 0).mean())}
 
 
-def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
+def make_batch(run: Run, trajectories, step: int, chain_error: list | None = None) -> UpdateBatch:
     """Trajectories -> the step's UpdateBatch, on the devices (one transfer), filled by the jitted `prepare`
     (old/reference logprobs, values, advantages, loss weights); returns it with prepare's metrics (and the
-    overlong shaping's)."""
+    overlong shaping's). Several processes: this process's trajectories make its block of the global batch
+    (`_make_batch_processes`; `chain_error`: what `rollout` said when this process kept no chain)."""
     cfg = run.config
+    if jax.process_count() > 1:
+        return _make_batch_processes(run, trajectories, step, chain_error)
     with_images = any(t.images for t in trajectories)
     arrays = trajectories_to_batch(trajectories, pad_to=choose_bucket(max(t.length for t in trajectories),
                                                                        cfg.seq_buckets),
@@ -562,6 +617,73 @@ def make_batch(run: Run, trajectories, step: int) -> UpdateBatch:
     with _mesh_context(run):
         batch, metrics = run.prepare_fn(run.state, _put_batch(run, batch))
     return batch, {**metrics, **shaping, **_image_metrics(arrays, batch)}
+
+
+def _make_batch_processes(run: Run, trajectories, step: int, chain_error: list | None):
+    """make_batch with several processes. Each process packs its own trajectories into its block of every
+    micro-batch's rows (the rows its devices hold: `_data_parallel_block`); two host exchanges make the processes
+    agree first: on the trajectory count N and the row length T (the global longest's bucket), then on the row
+    count (the most any process's mini-batch needs: a process with fewer trajectories pads with empty rows,
+    segment 0, masked) and on the per-trajectory arrays [N] (rewards, group ids, lengths), which every device
+    holds whole. Trajectories are numbered process by process; the mini-batch split is the one-process split of
+    all N; `pack_index` points into the global [N, T] view and `unpack_index` is derived from it on the devices."""
+    cfg = run.config
+    me = jax.process_index()
+    first_dp, dp_local, dp = _data_parallel_block(run.mesh)
+    shared = distributed.allgather_json({"n": len(trajectories),
+                                         "longest": max((t.length for t in trajectories), default=0),
+                                         "images": any(t.images for t in trajectories), "error": chain_error})
+    total = sum(s["n"] for s in shared)
+    if not total:  # every process stops alike: no process has a chain to train on
+        errors = [s["error"] for s in shared if s["error"]]
+        raise RuntimeError(f"RL step {step}: all {sum(e[0] for e in errors)} chains of the {len(shared)} processes "
+                           "ended in a runtime error (chain_error), so there is nothing to train on; process "
+                           f"{shared.index(next(s for s in shared if s['error']))} said: {errors[0][1]}")
+    if any(s["images"] for s in shared):
+        raise ValueError(f"RL step {step}: trajectories with images are trained by one process only (each micro-batch's "
+                         "images go to every device whole, which the processes' blocks of rows do not provide); run "
+                         "a vision-language policy on one host (config.distributed.num_processes=1)")
+    first = sum(s["n"] for s in shared[:me])
+    row_len = choose_bucket(max(s["longest"] for s in shared), cfg.seq_buckets)
+    arrays = (trajectories_to_batch(trajectories, pad_to=row_len) if trajectories
+              else _no_trajectories(row_len))
+    sampled = np.asarray(arrays["action_mask"]).sum(axis=1)
+    mini_batches = min(cfg.rl.mini_batches, total)
+    if mini_batches < cfg.rl.mini_batches:
+        log.warning("step %d: %d trajectories for %d mini-batches; this step uses %d", step, total,
+                    cfg.rl.mini_batches, mini_batches)
+    every_minibatch = assign_minibatches(total, mini_batches, np.random.default_rng([cfg.seed, step, 0]))
+    minibatch = every_minibatch[first:first + len(trajectories)]
+    second = distributed.allgather_json({"rows": rows_needed(arrays["lengths"], minibatch, mini_batches, row_len),
+                                         "rewards": arrays["rewards"].tolist(),
+                                         "group_ids": arrays["group_ids"].tolist(),
+                                         "lengths": arrays["lengths"].tolist(), "sampled": sampled.tolist()})
+    every = {key: np.concatenate([np.asarray(s[key], dtype) for s in second]) for key, dtype in
+             (("rewards", np.float32), ("group_ids", np.int32), ("lengths", np.int32), ("sampled", np.float32))}
+    # DAPO's overlong shaping over every process's trajectories, from their sampled-token counts (an [N, 1]
+    # "mask" holding each count sums to it); the rewards the devices see are these
+    shaped = {"action_mask": every["sampled"][:, None], "rewards": every["rewards"]}
+    shaping = overlong_shaping(run, shaped)
+    every_rewards = shaped["rewards"]
+    local_multiple = _rows_multiple(run, row_len) * dp_local // dp
+    block = pack_step(arrays["tokens"], arrays["action_mask"], arrays["sampler_logprobs"], arrays["lengths"],
+                      rewards=every_rewards[first:first + len(trajectories)], group_ids=arrays["group_ids"],
+                      minibatch=minibatch, num_minibatches=mini_batches, micro_batches=cfg.rl.micro_batches,
+                      rows_multiple=local_multiple, micro_batch_tokens=cfg.rl.micro_batch_tokens,
+                      min_rows=max(s["rows"] for s in second), row_blocks=dp // dp_local)
+    block = place_block(block, first_trajectory=first, num_trajectories=total)
+    with _mesh_context(run):
+        batch = _put_block(run, block, first_dp // dp_local, dp // dp_local, rewards=every_rewards,
+                           group_ids=every["group_ids"], minibatch=every_minibatch, lengths=every["lengths"])
+        batch, metrics = run.prepare_fn(run.state, batch)
+    return batch, {**metrics, **shaping}
+
+
+def _no_trajectories(row_len: int) -> dict:
+    """trajectories_to_batch's arrays for a process that kept no chain this step (its rows are all padding)."""
+    return {"tokens": np.zeros((0, row_len), np.int32), "action_mask": np.zeros((0, row_len), np.float32),
+            "sampler_logprobs": np.zeros((0, row_len), np.float32), "lengths": np.zeros(0, np.int32),
+            "rewards": np.zeros(0, np.float32), "group_ids": np.zeros(0, np.int32)}
 
 
 def update(run: Run, batch: UpdateBatch, step: int) -> dict:
@@ -587,6 +709,8 @@ def sync_weights(run: Run, version: int) -> float:
     their sequences finish on the old weights first, or with `rl.partial_rollouts` go on with the new ones."""
     t0 = time.perf_counter()
     params = run.serve_params(run.state.policy.params)
+    if jax.process_count() > 1:  # each process's own backend gets the whole policy, on the host
+        params = _host_params(params)
     if run.config.rl.partial_rollouts:
         run.runner.run(run.backend.update_weights(params, version, interrupt=True))
     else:
@@ -596,19 +720,32 @@ def sync_weights(run: Run, version: int) -> float:
 
 def rollout_metrics(run: Run, trajectories) -> dict:
     """Scalars of the trajectories sampled in a step (the agent's counters come with `rollout`'s metrics)."""
-    rewards = np.array([t.reward for t in trajectories])
+    return _trajectory_metrics(run, _trajectory_values(trajectories), _engine_metrics(run))
+
+
+def _trajectory_values(trajectories) -> dict:
+    """What the step's scalars read of each sampled trajectory (host lists: processes exchange them)."""
+    return {"reward": [t.reward for t in trajectories], "turns": [t.num_turns for t in trajectories],
+            "tool_calls": [t.tool_calls for t in trajectories],
+            "response_tokens": [t.num_action_tokens for t in trajectories],
+            "reward_failed": [int("reward_failed" in t.flags) for t in trajectories],
+            "images": [len(t.images) for t in trajectories], "length": [t.length for t in trajectories]}
+
+
+def _trajectory_metrics(run: Run, values: dict, engine: dict) -> dict:
+    rewards = np.array(values["reward"])
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "success/rate": float((rewards >= run.task_setup.success_threshold).mean()),
-            "rollout/turns_mean": float(np.mean([t.num_turns for t in trajectories])),
-            "rollout/tool_calls_mean": float(np.mean([t.tool_calls for t in trajectories])),
-            "rollout/response_tokens_mean": float(np.mean([t.num_action_tokens for t in trajectories])),
-            "rollout/reward_failures": float(sum("reward_failed" in t.flags for t in trajectories)),
-            **_rollout_image_metrics(trajectories), **_engine_metrics(run)}
+            "rollout/turns_mean": float(np.mean(values["turns"])),
+            "rollout/tool_calls_mean": float(np.mean(values["tool_calls"])),
+            "rollout/response_tokens_mean": float(np.mean(values["response_tokens"])),
+            "rollout/reward_failures": float(sum(values["reward_failed"])),
+            **_rollout_image_metrics(values["images"]), **engine}
 
 
-def _rollout_image_metrics(trajectories) -> dict:
-    """Images the sampled chains saw (prompts and tool observations), for chains with images; none otherwise."""
-    counts = [len(t.images) for t in trajectories]
+def _rollout_image_metrics(counts: list) -> dict:
+    """Images the sampled chains saw (prompts and tool observations; `counts`: per chain), for chains with
+    images; none otherwise."""
     if not any(counts):
         return {}
     return {"rollout/images": float(sum(counts)), "rollout/images_mean": float(np.mean(counts))}
@@ -669,11 +806,12 @@ def train(config, workdir: str | None = None) -> dict:
                 trajectories, sampled, sampling_metrics, t_rollout, async_metrics = producer.take(step)
 
             t0 = time.perf_counter()
-            batch, batch_metrics = make_batch(run, trajectories, step)
+            chain_error = sampling_metrics.pop(_CHAIN_ERROR, None)
+            batch, batch_metrics = make_batch(run, trajectories, step, chain_error)
             if producer is not None:
                 producer.begin_update()
             update_metrics = update(run, batch, step)
-            update_metrics = {k: float(v) for k, v in jax.device_get({**batch_metrics, **update_metrics}).items()}
+            update_metrics = {k: float(v) for k, v in _fetch({**batch_metrics, **update_metrics}).items()}
             t_update = time.perf_counter() - t0
             tokens = float(sum(t.length for t in trajectories))
             sampled_tokens = float(sum(t.length for t in sampled))
@@ -683,7 +821,13 @@ def train(config, workdir: str | None = None) -> dict:
             t_sync = sync_weights(run, step + 1)
             if producer is not None:
                 async_metrics.update(producer.synced(step + 1, t_sync))
-            metrics = {**sampling_metrics, **rollout_metrics(run, sampled), **update_metrics, **async_metrics,
+            if jax.process_count() > 1:  # the step's scalars describe every process's chains
+                sampling_metrics, async_metrics, tokens, sampled_tokens, t_rollout = _process_metrics(
+                    run, trajectories, sampled, sampling_metrics, async_metrics, t_rollout)
+                metrics = {**sampling_metrics, **update_metrics, **async_metrics}
+            else:
+                metrics = {**sampling_metrics, **rollout_metrics(run, sampled), **update_metrics, **async_metrics}
+            metrics = {**metrics,
                        "update/tokens": tokens * cfg.rl.ppo_epochs,
                        "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": t_sync,
                        "throughput/update_tokens_per_s": tokens * cfg.rl.ppo_epochs / max(t_update, 1e-9),
@@ -709,9 +853,11 @@ def train(config, workdir: str | None = None) -> dict:
         # template used in training and the turn's stop tokens as eos (trainer/export.py).
         final_dir = os.path.join(workdir, "final_policy")
         _check_finite(run.state.policy.params, "export the final policy")
-        export_policy(run.serving_model, jax.device_get(run.serve_params(run.state.policy.params)), run.tokenizer,
-                      final_dir, stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None,
-                      image_settings=run.agent.image_settings)
+        final_params = _host_params(run.serve_params(run.state.policy.params))  # collective with several processes
+        if jax.process_index() == 0:  # process 0 alone writes the export and the summary
+            export_policy(run.serving_model, final_params, run.tokenizer, final_dir,
+                          stop_token_ids=run.agent.stop_token_ids, chat_template=cfg.chat_template or None,
+                          image_settings=run.agent.image_settings)
         summary = {"algorithm": cfg.algorithm, "environment": cfg.env.name or cfg.task.train_path,
                    "success_before": before.get("eval/success"), "success_after": after.get("eval/success"),
                    "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"),
@@ -724,8 +870,9 @@ def train(config, workdir: str | None = None) -> dict:
                    "steps": cfg.rl.steps, "wall_seconds": round(time.time() - t_start, 1),
                    "resumed_from": start_step if restored is not None else None, "sft": sft_metrics,
                    "backend": cfg.backend, "workdir": os.path.abspath(workdir), "final_policy": final_dir}
-        with open(os.path.join(workdir, "summary.json"), "w") as fh:
-            json.dump(summary, fh, indent=2)
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=2)
         return summary
     except Exception:
         if producer is not None:  # rollouts run on their own: stop them, keep what the trainer has done
@@ -861,6 +1008,8 @@ def _put_batch(run: Run, batch: UpdateBatch) -> UpdateBatch:
         rows = rows.replace(positions=positions, vision=jax.tree.map(lambda _: replicated, batch.rows.vision))
     shardings = batch.replace(rows=rows, pack_index=rows_sharding, rewards=replicated, group_ids=replicated,
                               minibatch=replicated, lengths=replicated, unpack_index=replicated)
+    if jax.process_count() > 1:  # every process built this whole batch (SFT); each hands its devices their part
+        return _put_global(batch, shardings)
     return jax.device_put(batch, shardings)
 
 
@@ -869,3 +1018,183 @@ def _mesh_context(run: Run):
     """The run's mesh and logical axis rules, active while tracing/running jitted steps."""
     with jax.set_mesh(run.mesh), shd.axis_rules(run.rules):
         yield
+
+
+# ============================================================================ several processes (jax.distributed)
+#: rollout's metrics key for a process that kept no chain: [chains dropped, the error line]; make_batch reads it
+_CHAIN_ERROR = "_chain_error"
+
+
+def _check_shares(cfg: TrainConfig) -> None:
+    """Every process needs at least one task of a step, and of the held-out tasks when there are any."""
+    processes = jax.process_count()
+    if cfg.rl.tasks_per_step < processes:
+        raise ValueError(f"config.rl.tasks_per_step={cfg.rl.tasks_per_step} is less than the {processes} processes of "
+                         "this run, which each roll out a share of a step's tasks: raise it to at least "
+                         f"{processes}")
+    if 0 < cfg.eval.num_tasks < processes:
+        raise ValueError(f"config.eval.num_tasks={cfg.eval.num_tasks} is less than the {processes} processes of this "
+                         f"run, which each evaluate a share of the held-out tasks: raise it to at least {processes} "
+                         "(or 0: no evaluation)")
+
+
+def _data_parallel_block(mesh) -> tuple[int, int, int]:
+    """(the first data-parallel shard this process's devices hold, how many, all of them): packed rows are
+    split over the mesh's ("data", "fsdp") shards, and each process fills the rows of its own shards. Refuses a
+    mesh in which one shard spans devices of several processes (e.g. a tensor axis across hosts), or a process's
+    shards are not one contiguous run."""
+    names = list(mesh.axis_names)
+    grid = np.moveaxis(np.asarray(mesh.devices), (names.index("data"), names.index("fsdp")), (0, 1))
+    dp = grid.shape[0] * grid.shape[1]
+    owners = [{d.process_index for d in shard.reshape(-1)} for shard in grid.reshape(dp, -1)]
+    shared = [i for i, o in enumerate(owners) if len(o) > 1]
+    if shared:
+        raise ValueError(f"the mesh {dict(mesh.shape)} puts devices of several processes on one data-parallel "
+                         f"shard (shard {shared[0]}: processes {sorted(owners[shared[0]])}): with several processes "
+                         "keep config.mesh.tensor within a host's devices")
+    me = jax.process_index()
+    mine = [i for i, o in enumerate(owners) if o == {me}]
+    counts = {p: sum(o == {p} for o in owners) for p in range(jax.process_count())}
+    if mine != list(range(mine[0], mine[0] + len(mine))) or len(set(counts.values())) != 1:
+        raise ValueError(f"the mesh {dict(mesh.shape)} gives the processes uneven or interleaved data-parallel "
+                         f"shards ({counts} shards by process): give every host the same number of devices")
+    return mine[0], len(mine), dp
+
+
+def _fetch(tree):
+    """jax.device_get, also for arrays replicated over several processes' devices (each process reads its own
+    copy): the step's scalars."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.is_fully_replicated:
+                raise ValueError(f"_fetch: an array of shape {x.shape} is split over processes: gather it instead")
+            return np.asarray(x.addressable_data(0))
+        return jax.device_get(x)
+
+    return jax.tree.map(one, tree)
+
+
+def _host_params(params):
+    """The parameters whole on this host (numpy), one array at a time (jax.device_get with one process; with
+    several, each sharded array is gathered over the processes: collective, every process calls it)."""
+    if jax.process_count() == 1:
+        return jax.device_get(params)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True)
+                        if isinstance(x, jax.Array) and not x.is_fully_addressable else jax.device_get(x), params)
+
+
+def _build_backend(cfg: TrainConfig, serving_model, params, workdir: str, **vision):
+    """builders.build_backend; with several processes, each process's own: a JAX sampler on its first local device
+    (builders.sampler_device names jax.devices()[0], process 0's), or its share of `vllm.urls` (launched servers:
+    each process starts its own, process p > 0 under `<workdir>/processes/<p>`), fed the policy from the host."""
+    if jax.process_count() == 1:
+        return builders.build_backend(cfg, serving_model, params, workdir, **vision)
+    params, me = _host_params(params), jax.process_index()
+    if cfg.backend == "jax":
+        from agentfly_jax.rollout.backends import JaxSampler
+
+        compute = jnp.dtype(serving_model.config.dtype)  # the sampler's dtype, as builders.build_backend casts
+        served = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        options = dataclasses.asdict(cfg.jax_sampler)
+        del options["separate_device"]
+        return JaxSampler(serving_model, served, seed=cfg.seed, device=jax.local_devices()[0], **options)
+    vllm = cfg.vllm
+    if not vllm.launch:
+        urls = tuple(vllm.urls)[distributed.process_share(len(vllm.urls))]
+        if not urls:
+            raise ValueError(f"config.vllm.urls names {len(vllm.urls)} servers for the {jax.process_count()} "
+                             "processes of this run, which each sample on their own servers: give at least one "
+                             "per process (or vllm.launch=True: each process starts its own)")
+        cfg = dataclasses.replace(cfg, vllm=dataclasses.replace(vllm, urls=urls))
+    own_dir = workdir if me == 0 else os.path.join(workdir, "processes", str(me))
+    return builders.build_backend(cfg, serving_model, params, own_dir, **vision)
+
+
+def _put_block(run: Run, block: UpdateBatch, index: int, blocks: int, **per_trajectory) -> UpdateBatch:
+    """A process's packed block (rows [K, M, R / blocks, L], block `index` of every micro-batch's R rows) -> the
+    global UpdateBatch: the rows sharded as `_put_batch` shards them, each process handing its devices rows of its
+    own block; the per-trajectory arrays (`per_trajectory`: every process's, the same everywhere) replicated; the
+    unpack_index computed on the devices from the global pack_index."""
+    rows_sharding = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec(None, None, ("data", "fsdp")))
+    replicated = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec())
+
+    def rows(x):
+        x = np.asarray(x)
+        own = x.shape[2]
+        shape = (*x.shape[:2], own * blocks, *x.shape[3:])
+
+        def part(where):
+            start, stop, _ = where[2].indices(shape[2])
+            if not index * own <= start <= stop <= (index + 1) * own:
+                raise ValueError(f"rows {start}:{stop} of this process's devices lie outside its block {index}")
+            return x[(*where[:2], slice(start - index * own, stop - index * own), *where[3:])]
+
+        return jax.make_array_from_callback(shape, rows_sharding, part)
+
+    def whole(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, replicated, lambda where: x[where])
+
+    packed = jax.tree.map(rows, block.rows)
+    pack_index = rows(block.pack_index)
+    num = len(per_trajectory["lengths"])
+    unpack_index = jax.jit(unpack_index_from, static_argnums=(1, 2), out_shardings=replicated)(
+        pack_index, num, int(block.unpack_index.shape[1]))
+    return UpdateBatch(rows=packed, pack_index=pack_index, unpack_index=unpack_index,
+                       **{k: whole(v) for k, v in per_trajectory.items()})
+
+
+def _put_global(tree, shardings):
+    """Host arrays that every process holds whole (the same everywhere) -> global arrays of `shardings`, each
+    process handing its own devices their part."""
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(np.shape(x), s, lambda where: np.asarray(x)[where]),
+                        tree, shardings)
+
+
+#: How the processes' host scalars of a step combine: the largest (peaks, waits, per-process programs and
+#: memory), a mean weighted by the key named (per-call or per-chain means), else the sum (counts).
+_LARGEST = ("_peak", "wall_time_s", "dynamic_sampling/rounds")
+_LARGEST_PREFIXES = ("sampler/", "memory/", "async/")
+_MEAN_WEIGHTS = {"rollout/generation_latency_s_mean": "rollout/generation_calls",
+                 "rollout/tool_latency_s_mean": "rollout/tool_calls"}
+
+
+def combine_process_metrics(per_process: list[dict]) -> dict:
+    """One step's host scalars of every process (the agents' counters, dynamic sampling, async, engine) as the
+    run's: sums of counts, the largest of peaks and waits, means weighted by what they average over (calls, else
+    chains: `rollout/chains`)."""
+    out = {}
+    keys = list(dict.fromkeys(k for metrics in per_process for k in metrics))
+    for key in keys:
+        present = [m for m in per_process if key in m]
+        values = [float(m[key]) for m in present]
+        if key.endswith(_LARGEST) or key.startswith(_LARGEST_PREFIXES):
+            out[key] = max(values)
+        elif "mean" in key or "per_chain" in key:
+            weights = [float(m.get(_MEAN_WEIGHTS.get(key, "rollout/chains"), 1.0)) for m in present]
+            out[key] = (sum(w * v for w, v in zip(weights, values)) / sum(weights) if sum(weights)
+                        else sum(values) / len(values))
+        else:
+            out[key] = sum(values)
+    return out
+
+
+def _process_metrics(run: Run, trajectories, sampled, sampling_metrics: dict, async_metrics: dict,
+                     t_rollout: float):
+    """The step's host scalars over every process (one exchange): (sampling metrics with the rollout's trajectory
+    scalars, async metrics, tokens trained, tokens sampled, rollout seconds (the slowest process's))."""
+    mine = {"sampling": sampling_metrics, "async": async_metrics, "engine": _engine_metrics(run),
+            "values": _trajectory_values(sampled), "tokens": float(sum(t.length for t in trajectories)),
+            "t_rollout": t_rollout}
+    every = distributed.allgather_json(mine)
+    values = {key: [v for own in every for v in own["values"][key]] for key in mine["values"]}
+    engine = combine_process_metrics([own["engine"] for own in every])
+    sampling = {**combine_process_metrics([own["sampling"] for own in every]),
+                **_trajectory_metrics(run, values, engine)}
+    return (sampling, combine_process_metrics([own["async"] for own in every]),
+            sum(own["tokens"] for own in every), float(sum(values["length"])), max(own["t_rollout"] for own in every))

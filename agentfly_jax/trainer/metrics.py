@@ -14,15 +14,22 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 class MetricWriter:
-    """Writes scalars and text to `<logdir>` (TensorBoard) and appends scalars to `<logdir>/metrics.jsonl`."""
+    """Writes scalars and text to `<logdir>` (TensorBoard) and appends scalars to `<logdir>/metrics.jsonl`.
 
-    def __init__(self, logdir: str):
+    `active=False` (the processes other than 0 of a multi-process run: process 0 writes the run's metrics, already
+    reduced over every process) writes nothing and creates no file or directory."""
+
+    def __init__(self, logdir: str, active: bool = True):
+        self.logdir, self.active = logdir, bool(active)
+        if not self.active:
+            return
         os.makedirs(logdir, exist_ok=True)
-        self.logdir = logdir
         self._events = EventFileWriter(logdir)
         self._jsonl = open(os.path.join(logdir, "metrics.jsonl"), "a")
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        if not self.active:
+            return
         clean = {}
         for tag, value in values.items():
             value = float(value)
@@ -37,13 +44,19 @@ class MetricWriter:
         self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
 
     def text(self, step: int, tag: str, text: str) -> None:
+        if not self.active:
+            return
         self._events.add_event(Event(wall_time=time.time(), step=int(step), summary=text_pb(tag, text)))
 
     def flush(self) -> None:
+        if not self.active:
+            return
         self._events.flush()
         self._jsonl.flush()
 
     def close(self) -> None:
+        if not self.active:
+            return
         self._events.close()
         self._jsonl.close()
 
