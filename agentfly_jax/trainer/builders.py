@@ -323,8 +323,9 @@ def trainer_devices(cfg: TrainConfig) -> list:
 
 
 def sampler_device(cfg: TrainConfig):
-    """The JAX sampler's device: the last one when it is kept apart from the training mesh, else the first."""
-    return jax.devices()[-1] if cfg.jax_sampler.separate_device else jax.devices()[0]
+    """The JAX sampler's device, one of this process's own (with several processes each samples on its own): the
+    last one when it is kept apart from the training mesh, else the first."""
+    return jax.local_devices()[-1] if cfg.jax_sampler.separate_device else jax.local_devices()[0]
 
 
 def sharding_rules(cfg: TrainConfig):

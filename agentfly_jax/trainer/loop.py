@@ -1089,20 +1089,14 @@ def _host_params(params):
 
 
 def _build_backend(cfg: TrainConfig, serving_model, params, workdir: str, **vision):
-    """builders.build_backend; with several processes, each process's own: a JAX sampler on its first local device
-    (builders.sampler_device names jax.devices()[0], process 0's), or its share of `vllm.urls` (launched servers:
-    each process starts its own, process p > 0 under `<workdir>/processes/<p>`), fed the policy from the host."""
+    """builders.build_backend; with several processes, each process's own: a JAX sampler on one of its local
+    devices (builders.sampler_device), or its share of `vllm.urls` (launched servers: each process starts its own,
+    process p > 0 under `<workdir>/processes/<p>`), fed the policy from the host."""
     if jax.process_count() == 1:
         return builders.build_backend(cfg, serving_model, params, workdir, **vision)
     params, me = _host_params(params), jax.process_index()
     if cfg.backend == "jax":
-        from agentfly_jax.rollout.backends import JaxSampler
-
-        compute = jnp.dtype(serving_model.config.dtype)  # the sampler's dtype, as builders.build_backend casts
-        served = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-        options = dataclasses.asdict(cfg.jax_sampler)
-        del options["separate_device"]
-        return JaxSampler(serving_model, served, seed=cfg.seed, device=jax.local_devices()[0], **options)
+        return builders.build_backend(cfg, serving_model, params, workdir, **vision)
     vllm = cfg.vllm
     if not vllm.launch:
         urls = tuple(vllm.urls)[distributed.process_share(len(vllm.urls))]
