@@ -70,10 +70,17 @@ def smollm2_sft(c: ConfigDict, stages, *, batch_size: int = 16, learning_rate: f
                                 schedule="cosine", end_lr_ratio=0.1))
 
 
-def smollm2_cpu(c: ConfigDict, *, context: int = 1024, buckets=(1024,)) -> None:
+def smollm2_cpu(c: ConfigDict, *, context: int = 1024, buckets=(1024,), real_model: bool = True) -> None:
     """The SmolLM2 recipes' `:cpu` plumbing run: one SFT step of 2 demonstrations, then one GRPO step of one task
     x 2 chains (2 turns of 32 tokens) within `context` tokens. One group is enough to exercise every part; the
-    135M model's update is compute-bound on a CPU, so each extra task costs seconds of the test suite."""
+    135M model's update is compute-bound on a CPU (about a minute of a 2-core machine per run), so each extra task
+    costs seconds of the test suite. `real_model=False` keeps SmolLM2's tokenizer, vocabulary and template but swaps
+    in the tiny random policy: the recipe's own parts (environment, tools, agent, reward, demonstrations) run the
+    same, in a fraction of the time; the real model's loading and export are the same for every recipe and stay
+    covered by the recipe that keeps it (arithmetic)."""
+    if not real_model:
+        tiny_policy(c, max_position_embeddings=8192)  # SmolLM2's context
+        c.model.vocab_size = 49152
     cpu_plumbing(c, context=context, buckets=buckets, turns=2, new_tokens=32, slots=4, tasks_per_step=1)
     c.sft.update(dict(stages=((1, 1.0),), batch_size=2))
     c.sft.optimizer.update(dict(warmup_steps=0, decay_steps=1))

@@ -2,7 +2,7 @@
 
     agentfly-train --config experiments/smollm2_alfworld.py            # an accelerator machine with TextWorld
     agentfly-train --config experiments/smollm2_alfworld.py:cpu_small  # the learning run that fits a 2-core CPU
-    agentfly-train --config experiments/smollm2_alfworld.py:cpu        # one-step plumbing run on a CPU
+    agentfly-train --config experiments/smollm2_alfworld.py:cpu        # plumbing run on a CPU (tiny model)
 
 Games of the six ALFWorld task types generated offline from ALFWorld's PDDL domain (environments/alfworld), on
 the real TextWorld engine; reward 1.0 when the goal is reached. The model has never seen the ReAct format or
@@ -42,7 +42,7 @@ def get_config(arg: str | None = None):
         c.eval.update(dict(every=0, num_tasks=8, num_chains=16))
     elif arg == "cpu":
         c.env.options.update(dict(num_train_games=4, num_test_games=2, pool_size=2, demo_tasks=2))
-        smollm2_cpu(c)
+        smollm2_cpu(c, real_model=False)  # the real model: the arithmetic recipe's :cpu
         c.task.num_train = 4
     elif arg:
         raise ValueError(f"experiments/smollm2_alfworld.py takes no argument, 'cpu' or 'cpu_small', got {arg!r}")

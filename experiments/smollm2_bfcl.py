@@ -15,7 +15,7 @@ conversations (tool calls, real outputs, "Done." per turn) teaches the call form
 GRPO groups of 8 chains per task then give the reward differences to learn from.
 The policy is SmolLM2-135M-Instruct (experiments/common.py: `smollm2`); held-out: the 64 test tasks x 2 chains.
 """
-from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft, tiny_policy
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -33,9 +33,7 @@ def get_config(arg: str | None = None):
         # Prompts alone are up to 4.2k tokens, and 30 layers of attention over 5k-token rows need more memory
         # than a CPU machine has: the plumbing run keeps the real tokenizer, template and context but swaps in the
         # tiny random policy (same vocabulary, 2 layers).
-        tiny_policy(c, max_position_embeddings=8192)
-        c.model.vocab_size = 49152
-        smollm2_cpu(c, context=5120, buckets=(5120,))
+        smollm2_cpu(c, context=5120, buckets=(5120,), real_model=False)
         c.env.options.pool_size = 8
         # the SFT demonstrations are whole conversations (up to 5.4k tokens); the RL rows (prompts of 2-4k tokens)
         # take the smallest bucket that holds them: attention over a packed row is quadratic in its length

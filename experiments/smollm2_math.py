@@ -3,7 +3,7 @@ gsm_symbolic problems (environments/math_word) by running Python in its sandboxe
 then answers in \\boxed{}, graded by math-verify (`math_verify_match`).
 
     agentfly-train --config experiments/smollm2_math.py                    # one GPU
-    agentfly-train --config experiments/smollm2_math.py:cpu                # one-step plumbing run on a CPU
+    agentfly-train --config experiments/smollm2_math.py:cpu                # plumbing run on a CPU (tiny model)
     python scripts/eval_env.py --env math_word --agent oracle --num 100    # the oracle reaches reward 1.0
 
 An SFT warm start on the environment's demonstrations (a short program redoing the worked solution's
@@ -26,7 +26,7 @@ def get_config(arg: str | None = None):
     smollm2_sft(c, ((100, 1.0), (50, 0.5)), batch_size=16)
     smollm2_grpo(c, steps=50, tasks_per_step=16, chains_per_task=8)
     if arg == "cpu":
-        smollm2_cpu(c)
+        smollm2_cpu(c, real_model=False)  # the real model: the arithmetic recipe's :cpu
         c.env.options.update(dict(pool_size=4, train_size=200, dev_size=20, test_size=20))
     elif arg:
         raise ValueError(f"experiments/smollm2_math.py takes no argument or 'cpu', got {arg!r}")

@@ -1,7 +1,7 @@
 """ScienceWorld on a real pretrained model: SmolLM2-135M-Instruct runs science experiments as a ReAct agent.
 
     agentfly-train --config experiments/smollm2_scienceworld.py        # an accelerator machine with Java 17
-    agentfly-train --config experiments/smollm2_scienceworld.py:cpu    # one-step plumbing run on a CPU
+    agentfly-train --config experiments/smollm2_scienceworld.py:cpu    # plumbing run on a CPU (tiny model)
 
 The ScienceWorld simulator (environments/scienceworld, a JVM per environment) on ten of its task families
 (`EVAL_TASK_NAMES`); reward = the simulator's score / 100, success = 1.0 (task completed). The model has never
@@ -25,7 +25,7 @@ def get_config(arg: str | None = None):
     smollm2_grpo(c, steps=20, tasks_per_step=8, chains_per_task=8, eval_tasks=64, eval_chains=2)
     if arg == "cpu":
         c.env.options.update(dict(task_names="find-animal", pool_size=2, demo_tasks=2))
-        smollm2_cpu(c)
+        smollm2_cpu(c, real_model=False)  # the real model: the arithmetic recipe's :cpu
         c.task.num_train = 4
         c.sft.cut_long = True  # the demonstrated episodes are longer than the plumbing run's 1,024 tokens
     elif arg:

@@ -1,7 +1,7 @@
 """Wikipedia search QA on a real pretrained model: SmolLM2-135M-Instruct answers questions with a `search` tool.
 
     agentfly-train --config experiments/smollm2_search.py              # one GPU
-    agentfly-train --config experiments/smollm2_search.py:cpu          # one-step plumbing run on a CPU
+    agentfly-train --config experiments/smollm2_search.py:cpu          # plumbing run on a CPU (tiny model)
 
 The search environment (environments/search): generated single-hop questions (birth/death years, descriptions,
 cloze) over the offline Wikipedia-summaries corpus, answered with `search(query, k)` and scored by exact match.
@@ -25,7 +25,7 @@ def get_config(arg: str | None = None):
     smollm2_grpo(c, steps=50, tasks_per_step=16, chains_per_task=8)
     if arg == "cpu":
         c.env.options.update(dict(demo_tasks=8, pool_size=4))
-        smollm2_cpu(c)
+        smollm2_cpu(c, real_model=False)  # the real model: the arithmetic recipe's :cpu
     elif arg:
         raise ValueError(f"experiments/smollm2_search.py takes no argument or 'cpu', got {arg!r}")
     return c

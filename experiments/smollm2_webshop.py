@@ -8,7 +8,7 @@ the WebShop score of what the agent bought (success = 1.0, a perfect purchase). 
 demonstrations recorded from the scripted shoppers (oracle on half the goals, random shopper on the rest), then
 GRPO. Held-out: the 53 test goals x 3 chains (159 episodes).
 """
-from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft, tiny_policy
+from experiments.common import base, smollm2, smollm2_cpu, smollm2_grpo, smollm2_sft
 
 
 def get_config(arg: str | None = None):
@@ -24,9 +24,8 @@ def get_config(arg: str | None = None):
     if arg == "cpu":
         # The real model's plumbing run was killed for memory (22 GB resident) on the 23 GB CPU machine CI uses,
         # cause not found yet: this run keeps the real tokenizer and template with the tiny random policy.
-        tiny_policy(c)
         c.env.options.update(dict(demo_tasks=8, pool_size=4, num_products=200))
-        smollm2_cpu(c)
+        smollm2_cpu(c, real_model=False)
         c.agent.max_observation_chars = 500  # the oracle still finds its product through pages cut to this
         # whole demonstrated sessions (~2.5k tokens) would need more memory than a CPU machine has for 30 layers:
         # the plumbing run trains on their first 1,024 tokens (the prompt and the first shop pages)
