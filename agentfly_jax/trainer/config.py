@@ -341,7 +341,15 @@ class DistributedSection:
     runs where jax.distributed.initialize() finds its values itself (a TPU slice of several hosts, a SLURM step or
     an Open MPI job of several tasks); a value set here wins over the detected one. Plain ssh launches set all
     three; num_processes=1 forces one process. Every process must start with the same config and code (compared
-    at start); this section may differ between processes (process_id does) and is left out of that comparison."""
+    at start); this section may differ between processes (process_id does) and is left out of that comparison.
+
+    When a process fails (docs/tpu.md "When a process fails"): one that dies (killed, out of memory, its host
+    gone) or freezes sends no heartbeat, and after `heartbeat_timeout` s every other process stops with an error
+    naming it; one whose code raises tells the others at once, and they stop with its reason. A process stuck
+    inside a device collective is ended `heartbeat_timeout` s after that, so every process is gone within about
+    2 x heartbeat_timeout. A process that still sends heartbeats but does not arrive at a host exchange within
+    `exchange_timeout` s (it hangs in its own code) is named by those waiting for it. Restart every process with
+    the same command and resume=True to continue from the last checkpoint."""
 
     coordinator_address: str = knob("", _host_port, "'' (auto-detect) or 'host:port' of process 0, reachable "
                                                     "from every process")
@@ -349,6 +357,12 @@ class DistributedSection:
     process_id: int | None = knob(None, lambda v: v is None or v >= 0, "None (auto-detect) or >= 0")
     # seconds to wait for every process: to connect, then to publish its config/code digests
     initialization_timeout: int = knob(300, *POSITIVE)
+    # seconds without a heartbeat from a process (dead, killed, out of memory, frozen, its host or network gone)
+    # after which every other process stops with an error naming it
+    heartbeat_timeout: int = knob(120, *POSITIVE)
+    # seconds a process waits at a host exchange (a step's counts, rewards, scalars) for another process that
+    # still sends heartbeats: its share of the step's rollouts may take longer, or it hangs in its own code
+    exchange_timeout: int = knob(3600, *POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,13 +31,17 @@ editable), keyed by their path inside the package; environment plugins outside i
 """
 from __future__ import annotations
 
+import _thread
+import atexit
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -286,7 +290,10 @@ def initialize(section) -> bool:
             raise DistributedError(f"config.distributed sets {', '.join(sorted(given))} but no cluster that JAX "
                                    f"detects (Cloud TPU slice, SLURM step, Open MPI job) supplies {missing}: set "
                                    "coordinator_address, num_processes and process_id on every process")
-    kwargs = dict(given, initialization_timeout=section.initialization_timeout)
+    # JAX's own heartbeat ends every process with a fatal abort (no cleanup, no Python exception) when one is lost:
+    # it is set well past the watchdog's (`Watchdog`), which stops the processes first and cleanly
+    kwargs = dict(given, initialization_timeout=section.initialization_timeout,
+                  heartbeat_timeout_seconds=jax_heartbeat_timeout(section.heartbeat_timeout))
     if len(given) == 3:
         kwargs["cluster_detection_method"] = "deactivate"  # every value given: no detection, all local devices
     where = f"{cluster.kind} cluster, " if cluster is not None else ""
@@ -362,6 +369,7 @@ def start(cfg) -> bool:
     if _rounds["checked"] != digest:
         check_same_everywhere(cfg)
         _rounds["checked"] = digest
+    watch(cfg)
     return True
 
 
@@ -387,12 +395,14 @@ def allgather_json(value: Any, timeout_s: float | None = None) -> list:
     """Every process's `value` (JSON-able: numbers, strings, lists, dicts), in process order, through the
     coordinator's key-value store: host data only, no device work and nothing to compile. One process: [value].
     Collective: every process calls it the same number of times, in the same order. A process that does not
-    publish within `timeout_s` (default EXCHANGE_TIMEOUT_S) is named in a DistributedError."""
+    publish within `timeout_s` (default config.distributed.exchange_timeout, EXCHANGE_TIMEOUT_S before `start`)
+    is named in a DistributedError; a process lost meanwhile (the watchdog's verdict) ends the wait at once with a
+    ProcessLostError."""
     state = _runtime()
     client, me, n = state.client, state.process_id, state.num_processes
     if client is None or not n or n == 1:
         return [value]
-    timeout_s = EXCHANGE_TIMEOUT_S if timeout_s is None else timeout_s
+    timeout_s = _watch["exchange_timeout"] if timeout_s is None else timeout_s
     _exchanges["count"] += 1
     count = _exchanges["count"]
     base = f"{_KV_PREFIX}/exchange"
@@ -403,12 +413,11 @@ def allgather_json(value: Any, timeout_s: float | None = None) -> list:
         if i == me:
             out.append(json.loads(mine))
             continue
-        try:
-            out.append(json.loads(client.blocking_key_value_get(f"{base}/{count}/{i}", int(timeout_s * 1000))))
-        except Exception as e:  # a deadline or a coordinator gone: JAX's runtime error
-            raise DistributedError(f"process {i} of {n} did not publish its share of exchange {count} within "
-                                   f"{timeout_s:.0f} s: it failed or hangs, see its log "
-                                   f"({str(e).strip().splitlines()[0] if str(e).strip() else e})") from e
+        out.append(json.loads(_wait_for(client, f"{base}/{count}/{i}", timeout_s, lambda e, i=i: DistributedError(
+            f"process {i} of {n} did not publish its share of exchange {count} within {timeout_s:.0f} s "
+            "(config.distributed.exchange_timeout) although it still sends heartbeats: it hangs in its own code "
+            "(an environment, a tool, a reward: see its log) or its share of the step takes longer than that "
+            f"(raise the timeout) ({e})"))))
     # every process has read every value of exchange count - 1 before it published this one, so the values of
     # count - 2 are read everywhere: this process's can go (the store would otherwise grow every step)
     if count > 2:
@@ -417,3 +426,387 @@ def allgather_json(value: Any, timeout_s: float | None = None) -> list:
         except Exception as e:  # noqa: BLE001 - a value left in the store costs memory, not correctness
             log.debug("could not delete exchange %d's value: %s", count - 2, e)
     return out
+
+
+def _first_line(e: BaseException | str) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _wait_for(client, key: str, timeout_s: float, timed_out: Callable[[str], Exception]) -> str:
+    """The value of `key` once some process sets it; `timed_out(last error)` raised after `timeout_s`. With the
+    watchdog running the wait is cut into one-second gets (each gives the GIL back, none holds a deadline that
+    matters), so that a lost process's verdict ends it within a second (ProcessLostError), and an error of the
+    store itself (the coordinator gone) is raised as an ExchangeError."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    dog = _watch["dog"]
+    if dog is None:
+        try:
+            return client.blocking_key_value_get(key, max(1, int(1000 * timeout_s)))
+        except Exception as e:  # a deadline or a coordinator gone: JAX's runtime error
+            raise timed_out(_first_line(e)) from e
+    dog.waiting = True  # the watchdog need not interrupt this thread: the wait looks at its verdict every second
+    try:
+        while not dog.failure:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise timed_out(last)
+            try:
+                return client.blocking_key_value_get(key, max(1, int(1000 * min(left, 1.0))))
+            except Exception as e:  # JAX's runtime error: a deadline (go on waiting) or the store's own failure
+                last = _first_line(e)
+                if "DEADLINE_EXCEEDED" not in last:
+                    raise ExchangeError(f"the coordinator's key-value store failed while waiting for {key!r}: "
+                                        f"{last}") from e
+    finally:
+        dog.waiting = False
+        if dog.failure:  # a verdict that came as the wait ended was not sent as an interrupt: raised here
+            raise ProcessLostError(dog.failure) from None
+    raise ProcessLostError(dog.failure)  # not reached (the finally raises); for the reader
+
+
+# ======================================================================================= when a process fails
+class ProcessLostError(DistributedError):
+    """Another process of this run died, froze, stopped answering or failed, so this one stopped too; the message
+    names that process and says how to continue (every process restarted with resume=True)."""
+
+
+class ExchangeError(DistributedError):
+    """The coordinator's key-value store failed under a host exchange (its process is gone, most likely)."""
+
+
+#: Keys of the watchdog in the coordinator's store: alive/<p> (a counter), failed/<p> (a reason), done/<p>.
+_WATCH_PREFIX = "agentfly_jax/watch"
+#: The longest the callbacks of `at_emergency_exit` get when the watchdog ends a stuck process.
+EMERGENCY_CLEANUP_S = 15.0
+_watch: dict[str, Any] = {"dog": None, "exchange_timeout": EXCHANGE_TIMEOUT_S, "atexit": False}
+
+
+def jax_heartbeat_timeout(heartbeat_timeout: float) -> int:
+    """The heartbeat timeout given to jax.distributed: past the watchdog's verdict (`heartbeat_timeout`) and the
+    `heartbeat_timeout` a stuck process then gets before it is ended, so that JAX's own reaction to a lost
+    process (a fatal abort of every other process: no cleanup, no message of ours) never comes first."""
+    return int(3 * heartbeat_timeout + 60)
+
+
+class Watchdog:
+    """Watches the other processes of a run through the coordinator's key-value store, so that a process that dies,
+    freezes or fails stops every other one within a bounded time, with one line naming it (`failure`), instead of
+    leaving them blocked in a collective or an exchange that never completes.
+
+    Two daemon threads. `pulse` publishes this process's heartbeat (a counter) every `interval` s and reads every
+    process's heartbeat, failure and normal end (two small RPCs). `check` decides from what `pulse` last read and
+    never calls the store itself (a call to a frozen coordinator blocks): a process whose counter has not moved for
+    `timeout` s of this process's contact with the store is lost (it died: killed, out of memory, its host gone;
+    or it is frozen); a process that published a failure (`fail`) has failed; no answer from the store for
+    `timeout` s means the coordinator's process (0) is lost. On a verdict `check` logs it, interrupts the main
+    thread (KeyboardInterrupt at its next Python instruction; an asyncio rollout is cancelled cleanly) unless the
+    main thread is already stopping on an error of its own, and gives the process `grace` s to end; a process
+    still running then (its main thread stuck inside a device collective that waits for the lost process) is
+    ended: the `at_emergency_exit` callbacks (at most EMERGENCY_CLEANUP_S), its child processes terminated, exit
+    status 1."""
+
+    def __init__(self, client, me: int, n: int, timeout: float, *, grace: float | None = None,
+                 coordinator: str = "", workdir: str = ""):
+        self.client, self.me, self.n = client, me, n
+        self.timeout = float(timeout)
+        self.grace = self.timeout if grace is None else float(grace)
+        self.interval = min(5.0, max(0.1, self.timeout / 10))
+        self.coordinator, self.workdir = coordinator, workdir
+        self.failure: str | None = None  # the verdict: why this process must stop
+        self.handling = False  # the main thread stops on an error it raised: not interrupted
+        self.waiting = False  # the main thread waits in an exchange, which looks at `failure`: not interrupted
+        self.failed_here = False  # this process failed and told the others
+        self.emergency: dict[int, Callable[[], Any]] = {}
+        self._lock = threading.Lock()
+        now = time.monotonic()
+        self._contact, self._contact_error = now, ""
+        self._beats: dict[int, tuple[str | None, float]] = {i: (None, now) for i in range(n) if i != me}
+        self._failed: dict[int, str] = {}
+        self._done: set[int] = set()
+        self._deadline = float("inf")
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._pulse, name="agentfly-watchdog-pulse", daemon=True),
+                         threading.Thread(target=self._check, name="agentfly-watchdog-check", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------------------------------- the threads
+    def _pulse(self) -> None:
+        beat = 0
+        while not self._stop.is_set():
+            beat += 1
+            try:
+                self.client.key_value_set(f"{_WATCH_PREFIX}/alive/{self.me}", str(beat), allow_overwrite=True)
+                entries = self.client.key_value_dir_get(f"{_WATCH_PREFIX}/")
+            except Exception as e:  # noqa: BLE001 - the coordinator is unreachable: `check` judges how long
+                self._contact_error = _first_line(e)
+            else:
+                now = time.monotonic()
+                with self._lock:
+                    self._contact = now
+                    for key, value in entries:
+                        kind, _, who = key[len(_WATCH_PREFIX) + 1:].rpartition("/")
+                        if not who.isdigit() or int(who) == self.me or int(who) >= self.n:
+                            continue
+                        i = int(who)
+                        if kind == "alive" and value != self._beats[i][0]:
+                            self._beats[i] = (value, now)
+                        elif kind == "failed":
+                            self._failed.setdefault(i, value)
+                        elif kind == "done":
+                            self._done.add(i)
+            self._stop.wait(self.interval)
+
+    def _check(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            if self.failure is None:
+                verdict = self.verdict(time.monotonic())
+                if verdict:
+                    self._stop_for(verdict)
+            elif time.monotonic() >= self._deadline:
+                self._end_now()
+
+    def verdict(self, now: float) -> str | None:
+        """Why this process must stop, from what `pulse` last read; None while every process is well."""
+        with self._lock:
+            failed, done, contact = dict(self._failed), set(self._done), self._contact
+            beats = {i: t for i, (_, t) in self._beats.items() if i not in done}
+        n, timeout = self.n, self.timeout
+        if failed:
+            i = min(failed)
+            return (f"process {i} of {n} failed: {failed[i]} (see its log); every process of this run stops. "
+                    f"{self._resume_hint()}")
+        if now - contact > timeout:
+            return (f"no answer from the coordinator (process 0 at {self.coordinator or 'its address'}) for "
+                    f"{now - contact:.0f} s (config.distributed.heartbeat_timeout={timeout:g}; last error: "
+                    f"{self._contact_error or 'none, a call is still waiting'}): process 0 died (killed, out of "
+                    f"memory, its host gone) or froze, or the network to its host is down; every process of this "
+                    f"run stops. {self._resume_hint()}")
+        stale = sorted((t, i) for i, t in beats.items() if contact - t > timeout)
+        if stale:
+            t, i = stale[0]
+            return (f"process {i} of {n} sent no heartbeat for {contact - t:.0f} s (config.distributed."
+                    f"heartbeat_timeout={timeout:g}): it died (killed, out of memory, its host gone) or froze, see "
+                    f"its log; every process of this run stops. {self._resume_hint()}")
+        return None
+
+    def _resume_hint(self) -> str:
+        where = f" in {os.path.join(self.workdir, 'checkpoints')}" if self.workdir else ""
+        return (f"Restart all {self.n} processes with the same command and --config.resume=True to continue from the "
+                f"last checkpoint{where} (this is process {self.me})")
+
+    def _stop_for(self, verdict: str) -> None:
+        self.failure = verdict  # set before `waiting` is read (an exchange clears `waiting`, then reads this)
+        self._deadline = time.monotonic() + self.grace
+        log.error("%s", verdict)
+        if not (self.handling or self.waiting):
+            _thread.interrupt_main()  # the main thread raises at its next Python instruction (ProcessLostError)
+
+    def _end_now(self) -> None:
+        """The grace is over and the process still runs: its main thread is stuck (a device collective waiting for
+        the lost process never returns). Ends the process, its children first."""
+        self._stop.set()
+        log.error("this process still runs %.0f s after it stopped for another process (its main thread is stuck, "
+                  "e.g. in a device collective that waits for the lost process): ending it", self.grace)
+        callbacks = list(self.emergency.values())
+
+        def run_all():
+            for fn in callbacks:
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - every callback gets its turn
+                    log.error("cleanup before ending the process: %s: %s", type(e).__name__, e)
+
+        helper = threading.Thread(target=run_all, name="agentfly-emergency-cleanup", daemon=True)
+        helper.start()
+        helper.join(EMERGENCY_CLEANUP_S)
+        end_child_processes()
+        _exit(1)
+
+    # ------------------------------------------------------------------------------------ the main thread's
+    def fail(self, reason: str) -> None:
+        """Tells the other processes that this one failed (`reason`, one line): they stop at once with it. Bounded
+        (a frozen coordinator would hold the call)."""
+        self.failed_here = True
+        done = threading.Event()
+
+        def publish():
+            try:
+                self.client.key_value_set(f"{_WATCH_PREFIX}/failed/{self.me}", reason[:500], allow_overwrite=True)
+            except Exception as e:  # noqa: BLE001 - the others then find out by their own timeouts
+                log.error("could not tell the other processes of this failure: %s", _first_line(e))
+            done.set()
+
+        threading.Thread(target=publish, name="agentfly-watchdog-fail", daemon=True).start()
+        done.wait(min(5.0, self.timeout))
+
+    def finish(self) -> None:
+        """This process ends normally: the others stop watching it (JAX's shutdown then waits for everyone)."""
+        self._stop.set()
+        try:
+            self.client.key_value_set(f"{_WATCH_PREFIX}/done/{self.me}", "1", allow_overwrite=True)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not tell the other processes that this one ends: %s", _first_line(e))
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def watch(cfg) -> Watchdog | None:
+    """Starts the watchdog of this process (once; a later call only takes the new exchange_timeout) when the run has
+    several processes; None with one. Called by `start`."""
+    state = _runtime()
+    section = cfg.distributed
+    if state.client is None or (state.num_processes or 1) == 1:
+        return None
+    _watch["exchange_timeout"] = float(section.exchange_timeout)
+    if _watch["dog"] is None:
+        _watch["dog"] = Watchdog(state.client, state.process_id, state.num_processes, section.heartbeat_timeout,
+                                 coordinator=state.coordinator_address or "", workdir=cfg.workdir)
+        if not _watch["atexit"]:  # registered after jax's own exit handler, so it runs before it
+            atexit.register(_at_exit)
+            _watch["atexit"] = True
+        log.info("process %d of %d watches the others: heartbeat every %.1f s, a process silent for %d s is lost "
+                 "(config.distributed.heartbeat_timeout)", state.process_id, state.num_processes,
+                 _watch["dog"].interval, section.heartbeat_timeout)
+    return _watch["dog"]
+
+
+def stopped_by(exc: BaseException) -> ProcessLostError | None:
+    """For the trainer, with the exception that ends its run. With one process: None. Otherwise, when another
+    process was lost or failed, the ProcessLostError to raise instead (waiting up to heartbeat_timeout for the
+    watchdog's verdict when `exc` may be that loss seen from here: a runtime error of the devices, which a
+    collective raises when its peer's connection breaks, or of the coordinator's store). Else `exc` is this
+    process's own failure: the others are told its one-line reason (they stop at once) and None is returned."""
+    dog = _watch["dog"]
+    if dog is None:
+        return None
+    dog.handling = True
+    if isinstance(exc, ProcessLostError):  # the verdict itself, raised by an exchange
+        return None
+    if dog.failure is None and _may_be_a_lost_process(exc):
+        deadline = time.monotonic() + dog.timeout + 2 * dog.interval
+        while dog.failure is None and time.monotonic() < deadline:
+            try:
+                time.sleep(dog.interval / 2)
+            except KeyboardInterrupt:  # the watchdog's interrupt, sent before it saw `handling`
+                pass
+    if dog.failure is not None:
+        return ProcessLostError(dog.failure)
+    reason = "KeyboardInterrupt (Ctrl-C or SIGINT)" if isinstance(exc, KeyboardInterrupt) else \
+        f"{type(exc).__name__}: {_first_line(exc)}"
+    dog.fail(reason)
+    return None
+
+
+#: How the runtime's errors begin (an XLA status code): a collective whose peer is gone fails with one of them
+#: (gloo: "UNKNOWN: Gloo AllGather failed: ... Connection closed by peer", raised as a ValueError).
+_RUNTIME_STATUS = ("UNKNOWN:", "UNAVAILABLE:", "INTERNAL:", "ABORTED:", "CANCELLED:", "DEADLINE_EXCEEDED:",
+                   "FAILED_PRECONDITION:", "DATA_LOSS:")
+
+
+def _may_be_a_lost_process(exc: BaseException) -> bool:
+    """Whether `exc` may be another process's loss seen from this one: an error of the coordinator's store, or
+    of the runtime (a device collective)."""
+    if isinstance(exc, ExchangeError) or str(exc).lstrip().startswith(_RUNTIME_STATUS):
+        return True
+    try:
+        from jax.errors import JaxRuntimeError
+    except ImportError:  # pragma: no cover - older JAX
+        return False
+    return isinstance(exc, JaxRuntimeError)
+
+
+def at_emergency_exit(fn: Callable[[], Any]) -> Callable[[], None]:
+    """Registers `fn` (e.g. closing environment pools and launched servers) to run if the watchdog has to end this
+    process while its main thread is stuck; returns the function that unregisters it. No-op with one process."""
+    dog = _watch["dog"]
+    if dog is None:
+        return lambda: None
+    key = id(fn)
+    dog.emergency[key] = fn
+    return lambda: dog.emergency.pop(key, None)
+
+
+def end_child_processes(grace_s: float = 2.0) -> list[int]:
+    """Terminates every descendant process of this one (environment servers, sandboxes, launched inference
+    servers; those that lead a process group with their group): SIGTERM, SIGKILL after `grace_s` for any still
+    there. Linux (/proc); elsewhere nothing. The pids signalled."""
+    pids = _descendants(os.getpid())
+    own_group = os.getpgrp()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                if os.getpgid(pid) == pid and pid != own_group:
+                    os.killpg(pid, sig)
+                else:
+                    os.kill(pid, sig)
+            except OSError:  # already gone
+                pass
+        if sig == signal.SIGTERM:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline and any(_alive(p) for p in pids):
+                time.sleep(0.05)
+    return pids
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"  # a zombie is gone (its parent reaps it)
+    except OSError:
+        return False
+
+
+def _exit(code: int) -> None:
+    """Ends the process at once (after flushing logs and output): JAX's own exit handler would wait for every
+    process at a shutdown barrier, which processes that are gone never reach."""
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def _at_exit() -> None:
+    """At this process's exit (before JAX's own handler): a run that stopped on a failure ends its remaining child
+    processes and exits at once with status 1 (an exception that nothing caught, raised outside the trainer's loop,
+    is told to the others first); one that
+    ends normally tells the others (who then stop watching it) and goes on to JAX's shutdown."""
+    dog = _watch["dog"]
+    if dog is None:
+        return
+    uncaught = getattr(sys, "last_value", None)  # set by Python for an exception that ended the main thread
+    if uncaught is not None and dog.failure is None and not dog.failed_here:
+        stopped_by(uncaught)
+    if dog.failure is not None or dog.failed_here:
+        dog.close()
+        end_child_processes()  # whatever the run's own cleanup did not close (it may not have run at all)
+        _exit(1)
+    dog.finish()

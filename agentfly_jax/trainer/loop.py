@@ -769,9 +769,14 @@ def _engine_metrics(run: Run) -> dict:
 def train(config, workdir: str | None = None) -> dict:
     """Runs the experiment described by `config`; returns (and writes) `<workdir>/summary.json`."""
     t_start = time.time()
-    run = setup(config, workdir)
+    try:
+        run = setup(config, workdir)
+    except BaseException as exc:
+        _stop_processes(exc)
+        raise
     cfg, workdir = run.config, run.workdir
     producer, before = None, {}
+    forget_cleanup = distributed.at_emergency_exit(lambda: _release_processes(run))
     try:
         # --- Load checkpoint (or warm start) --------------------------------------------------------
         start_step, sft_metrics, before_sft = 0, {}, {}
@@ -874,13 +879,37 @@ def train(config, workdir: str | None = None) -> dict:
             with open(os.path.join(workdir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=2)
         return summary
-    except Exception:
-        if producer is not None:  # rollouts run on their own: stop them, keep what the trainer has done
-            producer.close()
+    except BaseException as exc:
+        lost = _stop_processes(exc, reraise=False)  # several processes: tell the others, or learn who was lost
+        if producer is not None and isinstance(exc, Exception):  # rollouts run on their own: stop them, keep
+            producer.close()  # what the trainer has done
             producer.save_after_failure(before)
+        if lost is not None:  # (the watchdog's interrupt, a KeyboardInterrupt, is no cause worth showing)
+            raise lost from (None if isinstance(exc, KeyboardInterrupt) else exc)
         raise
     finally:
+        forget_cleanup()
         _close_run(run)
+
+
+def _stop_processes(exc: BaseException, reraise: bool = True):
+    """A run of several processes ends on `exc`: when another process was lost or failed (`distributed.stopped_by`
+    waits for the watchdog's verdict where `exc` may be that loss seen from here), the ProcessLostError that names
+    it, raised from `exc` (returned with reraise=False); otherwise this process's own failure, told to the others
+    so that they stop at once. One process: nothing."""
+    lost = distributed.stopped_by(exc)  # None at once with one process
+    if lost is not None and reraise:
+        raise lost from (None if isinstance(exc, KeyboardInterrupt) else exc)
+    return lost
+
+
+def _release_processes(run: Run) -> None:
+    """What must not outlive a process that the watchdog ends while its main thread is stuck (a collective waiting
+    for a lost process): launched inference servers and pooled environments (their child processes are then
+    terminated as well, distributed.end_child_processes)."""
+    if run.env_manager is not None:
+        run.runner.run(run.env_manager.close())
+    run.runner.run(run.backend.close())
 
 
 def close_runner(runner: asyncio.Runner | ThreadedRunner, timeout_s: float = 30.0) -> None:

@@ -324,3 +324,94 @@ def test_other_code_stops_both_processes_with_the_same_error(tmp_path):
                                "between process 0 and process 1: agentfly_jax/trainer/batch.py); install the same "
                                "commit on every host"), line
         assert "config digest" not in line and line.endswith(f"(this is process {pid})")
+
+
+# ============================================================================ a process lost in a collective
+_IN_A_COLLECTIVE = """
+import logging, os, signal, subprocess, sys, time
+logging.basicConfig(level=logging.INFO)
+import numpy as np
+from experiments import quickstart
+from agentfly_jax.trainer import distributed
+from agentfly_jax.trainer.config import TrainConfig
+port, pid, fault, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+c = quickstart.get_config()
+c.distributed.coordinator_address = f"127.0.0.1:{port}"
+c.distributed.num_processes, c.distributed.process_id, c.distributed.initialization_timeout = 2, pid, 30
+c.distributed.heartbeat_timeout = 3
+distributed.start(TrainConfig.build(c))
+import jax
+from jax.experimental import multihost_utils
+multihost_utils.process_allgather(np.array([1]))  # compiled and run once by both
+if pid == 0:  # a child process standing for an environment server, and a cleanup of the trainer's
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    print("server", server.pid, flush=True)
+    distributed.at_emergency_exit(lambda: open(marker, "w").write("cleaned up"))
+    time.sleep(0.5)
+else:
+    os.kill(os.getpid(), getattr(signal, fault))
+try:  # process 0 is in the collective when process 1 is gone: it never returns (SIGSTOP) or breaks (SIGKILL)
+    multihost_utils.process_allgather(np.array([2]))
+except BaseException as e:  # what the trainer's loop does with an error that ends its run
+    raise distributed.stopped_by(e) or e
+print("the collective returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_process_lost_during_a_collective_ends_the_other(tmp_path, fault):
+    """Process 1 is frozen (SIGSTOP) or killed while process 0 enters a collective with it (gloo on this CPU, NCCL
+    or ICI elsewhere). Killed: the collective breaks and process 0 waits for the watchdog's verdict to say why.
+    Frozen: the collective never returns, so the watchdog ends process 0 heartbeat_timeout s after its verdict,
+    after its cleanups and with its child processes. Either way within about 2 x heartbeat_timeout (3 s here)."""
+    port, marker = _free_port(), tmp_path / "marker"
+    env = _env()
+    procs = [subprocess.Popen([sys.executable, "-c", _IN_A_COLLECTIVE, str(port), str(pid), fault, str(marker)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    deadline, lost_at, ended_at = time.monotonic() + 60, None, None
+    try:
+        while ended_at is None and time.monotonic() < deadline:
+            if lost_at is None and (procs[1].poll() is not None or _state(procs[1].pid) == "T"):
+                lost_at = time.monotonic()
+            if procs[0].poll() is not None:
+                ended_at = time.monotonic()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        out, err = procs[0].communicate()
+        procs[1].communicate()
+    assert lost_at is not None and ended_at is not None, err[-3000:]
+    assert ended_at - lost_at < 2 * 3 + 4, f"process 0 ended {ended_at - lost_at:.1f} s after process 1 was lost"
+    server = int(out.split("server ")[1].split()[0])
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "the collective returned" not in out
+    lines = [line for line in err.splitlines() if "process 1 of 2 sent no heartbeat for" in line]
+    assert lines and "--config.resume=True" in lines[-1], err[-3000:]
+    if fault == "SIGSTOP":
+        assert "still runs 3 s after it stopped for another process" in err
+        assert marker.read_text() == "cleaned up"
+    else:  # the broken collective raised: the trainer's ProcessLostError, no emergency exit
+        assert err.strip().splitlines()[-1].startswith("agentfly_jax.trainer.distributed.ProcessLostError: process "
+                                                       "1 of 2 sent no heartbeat"), err[-3000:]
+        assert not marker.exists()
+    deadline = time.monotonic() + 5
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(server), "process 0's child outlived it"
+
+
+def _state(pid: int) -> str:
+    """The state letter of process `pid` (R, S, T: stopped, Z: a zombie), '' once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in ("", "Z")

@@ -213,17 +213,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _processes(processes: int, devices: int, workdir, mode: str, overrides: dict, timeout: float = 240):
-    """Runs the child in `processes` processes of `devices` CPU devices each; [(returncode, its JSON, stderr)].
-    All are killed at `timeout` s, and the others as soon as one fails (a process left alone would wait for its
-    peers at the next collective)."""
+def _start_processes(processes: int, devices: int, workdir, mode: str, overrides: dict) -> list[subprocess.Popen]:
+    """Starts the child in `processes` processes of `devices` CPU devices each (stdout and stderr piped)."""
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(port), str(pid), str(processes), str(workdir), mode,
-                               json.dumps(overrides)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for pid in range(processes)]
+    return [subprocess.Popen([sys.executable, "-c", _CHILD, str(port), str(pid), str(processes), str(workdir), mode,
+                              json.dumps(overrides)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for pid in range(processes)]
+
+
+def _processes(processes: int, devices: int, workdir, mode: str, overrides: dict, timeout: float = 240):
+    """Runs the child in `processes` processes of `devices` CPU devices each; [(returncode, its JSON, stderr)].
+    All are killed at `timeout` s, and the others as soon as one fails (a process left alone would wait for its
+    peers at the next collective)."""
+    procs = _start_processes(processes, devices, workdir, mode, overrides)
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):

@@ -1,0 +1,89 @@
+"""Faults across the processes of a run (docs/tpu.md "When a process fails"), for real on this CPU: two trainer
+processes of 2 devices each joined by gloo, one of which is killed, frozen or raises mid-run (a test agent,
+tests/trainer/faulty_agents.py). The other must stop within the bound that config.distributed.heartbeat_timeout
+sets, with one line naming the lost process and saying how to resume; and a run resumed from its last checkpoint
+after a lost worker must end with the parameters of a run that was never interrupted."""
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.trainer.test_multiprocess import _processes, _start_processes
+
+HEARTBEAT = 4  # config.distributed.heartbeat_timeout in these runs (seconds)
+# the quickstart, shortest: no SFT, no evaluation, 3 RL steps of 4 tasks x 2 chains, a checkpoint every step
+RUN = {"sft.stages": [], "eval.num_tasks": 0, "eval.before_sft": False, "rl.steps": 3, "rl.tasks_per_step": 4,
+       "rl.chains_per_task": 2, "checkpoint.every": 1, "checkpoint.keep": 5,
+       "distributed.heartbeat_timeout": HEARTBEAT}
+
+
+def _run_with_a_fault(workdir, agent: str, deadline_s: float = 240):
+    """Runs the 2-process run with `agent` (faulty on process 1) until process 0 has ended and process 1 has ended
+    or is frozen. (process 0's returncode, its stderr, seconds from process 1's failure -- its end or its freeze,
+    seen from here -- to process 0's end (0 if process 0 ended first), process 1's stderr). Every child is
+    killed at the end, whatever happened."""
+    procs = _start_processes(2, 2, workdir, "train", {**RUN, "agent.type": f"tests.trainer.faulty_agents:{agent}"})
+    p0, p1 = procs
+    deadline = time.monotonic() + deadline_s
+    failed_at = ended_at = None
+    try:
+        while time.monotonic() < deadline and (ended_at is None or failed_at is None):
+            now = time.monotonic()
+            if failed_at is None and (p1.poll() is not None or _stopped(p1.pid)):
+                failed_at = now
+            if ended_at is None and p0.poll() is not None:
+                ended_at = now
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    _, err0 = p0.communicate()
+    _, err1 = p1.communicate()
+    assert failed_at is not None, f"process 1 did not fail:\n{err1[-3000:]}\nprocess 0:\n{err0[-3000:]}"
+    assert ended_at is not None, f"process 0 did not end:\n{err0[-3000:]}"
+    return p0.returncode, err0, max(0.0, ended_at - failed_at), err1
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] == "T"
+    except OSError:
+        return False
+
+
+def _last_error_line(stderr: str) -> str:
+    return next(line for line in reversed(stderr.strip().splitlines()) if "ProcessLostError" in line)
+
+
+def test_a_killed_process_stops_the_other_within_the_bound(tmp_path):
+    rc, err, took, _ = _run_with_a_fault(tmp_path / "run", "KilledOnProcessOne")
+    assert rc == 1, err[-3000:]
+    line = _last_error_line(err)
+    assert "process 1 of 2 sent no heartbeat for" in line and "heartbeat_timeout=4" in line, line
+    assert "Restart all 2 processes with the same command and --config.resume=True" in line, line
+    assert line.endswith("(this is process 0)")
+    # the verdict after HEARTBEAT s of silence (plus a pulse), then a clean stop: far below 2 x HEARTBEAT + slack
+    assert took < 2 * HEARTBEAT + 10, f"process 0 took {took:.1f} s to stop"
+
+
+def test_a_frozen_process_stops_the_other_within_the_bound(tmp_path):
+    rc, err, took, _ = _run_with_a_fault(tmp_path / "run", "FrozenOnProcessOne")
+    assert rc == 1, err[-3000:]
+    line = _last_error_line(err)
+    assert "process 1 of 2 sent no heartbeat for" in line, line
+    assert took < 2 * HEARTBEAT + 10, f"process 0 took {took:.1f} s to stop"
+
+
+def test_an_exception_in_one_process_stops_the_other_at_once_with_its_reason(tmp_path):
+    rc, err, took, err1 = _run_with_a_fault(tmp_path / "run", "RaisesOnProcessOne")
+    assert rc == 1, err[-3000:]
+    line = _last_error_line(err)
+    assert ("process 1 of 2 failed: RuntimeError: an environment server of process 1 broke (injected by the test) "
+            "(see its log)") in line, line
+    assert took < HEARTBEAT, f"process 0 took {took:.1f} s to stop: it waited for a timeout"
+    assert "RuntimeError: an environment server of process 1 broke" in err1
