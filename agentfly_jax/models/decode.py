@@ -58,7 +58,7 @@ def _heads(c: ModelConfig, params, x, num_heads: int, head_axis: str):
 
 
 def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,
-           rope_positions=None, embeddings=None):
+           rope_positions=None, embeddings=None, cache_rows=None):
     """Runs `tokens` [B, T] at `positions` [B, T] against `cache`; returns (hidden [B, T, E], new cache).
 
     Each token's key/value is written into its row of the cache at its position, then every query attends to
@@ -69,6 +69,10 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
     rope_positions: what the queries and keys are rotated by, [B, T] or mRoPE [3, B, T] (config.mrope_section);
       default `positions`. embeddings: input embeddings [B, T, E] to run instead of the tokens' own (a
       vision-language prompt with its image features merged in); `tokens` is then not read.
+    cache_rows: [B] the cache row each batch row reads and writes (default row b for batch row b): a prompt pass
+      that continues rows of a sampler's cache already holding a prefix (positions start past it; the queries
+      attend to the prefix's keys as well). Rows must be distinct, except padding rows: they give positions
+      >= the cache length, so they write nothing.
     """
     c = model.config
     kv_len = cache["k"].shape[2] if kv_len is None else kv_len
@@ -84,7 +88,7 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
         raise ValueError("rope_positions [3, B, T] (mRoPE) need a config with mrope_section (Qwen2.5-VL)")
     mrope_section = c.mrope_section if rope_positions.ndim == 3 else None
     inv_freq = jnp.asarray(rope_inv_freq(c))
-    rows = jnp.arange(b)[:, None]  # [B, 1]
+    rows = (jnp.arange(b) if cache_rows is None else cache_rows)[:, None]  # [B, 1]
     key_positions = jnp.arange(kv_len)
     mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
     cache_k, cache_v = cache["k"], cache["v"]
@@ -99,8 +103,12 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
         v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads")
         cache_k = cache_k.at[i, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
         cache_v = cache_v.at[i, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-        keys = cache_k[i, :, :kv_len].astype(c.dtype)  # [B, kv_len, K, D]
-        values = cache_v[i, :, :kv_len].astype(c.dtype)
+        if cache_rows is None:
+            keys = cache_k[i, :, :kv_len].astype(c.dtype)  # [B, kv_len, K, D]
+            values = cache_v[i, :, :kv_len].astype(c.dtype)
+        else:
+            keys = cache_k[i, cache_rows, :kv_len].astype(c.dtype)
+            values = cache_v[i, cache_rows, :kv_len].astype(c.dtype)
         out = dot_product_attention(q, keys, values, mask, "xla")  # [B, T, H, D]
         x = x + OutProjection(c.hidden_size, c.dtype, c.param_dtype).apply({"params": attn["o_proj"]}, out)
         x = x + MLP(c).apply({"params": layer["mlp"]}, _norm(c, layer["post_attention_layernorm"], x))
@@ -142,6 +150,25 @@ def decode_step(model: CausalLM, params, cache: dict, tokens, positions, *, kv_l
     hidden, cache = extend(model, params, cache, tokens[:, None], positions[:, None], kv_len=kv_len,
                            rope_positions=rope)
     return logits(model, params, hidden[:, 0]), cache
+
+
+def prefill_rows(model: CausalLM, params, cache: dict, tokens, rows, starts, *, kv_len: int) -> dict:
+    """Prompt pass continuing rows of `cache`: row r's tokens [T] go to cache row `rows[r]` at positions
+    starts[r], starts[r] + 1, ... after the prefix already there (positions < starts[r], which the queries attend
+    to). Returns the new cache. kv_len: a static bucket > every real token's position. A padding row has
+    starts >= the cache length (writes nothing); tokens after a row's real ones write keys past its prompt,
+    which the sampler overwrites before any query may see them."""
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    _, cache = extend(model, params, cache, tokens, positions, kv_len=kv_len, cache_rows=rows)
+    return cache
+
+
+def copy_row(cache: dict, src, dst) -> dict:
+    """Copies row `src` of `cache` (every layer and position) into row `dst`."""
+    def put(buf):
+        return jax.lax.dynamic_update_slice_in_dim(buf, jax.lax.dynamic_slice_in_dim(buf, src, 1, axis=1), dst,
+                                                   axis=1)
+    return {name: put(buf) for name, buf in cache.items()}
 
 
 def copy_into(cache: dict, prompt_cache: dict, row, slot):

@@ -190,6 +190,11 @@ class JaxSampler(GenerationBackend):
         images fit; a prompt with more goes alone.
       min_patch_bucket: the smallest patch bucket (a power of two) of a prompt pass with images.
       cache_dtype: KV cache dtype (default: the model's compute dtype).
+      prefix_caching: keep a finished sequence's KV in its slot ("parked") and start a later prompt that begins
+        with the same tokens from it, prefilling only the rest; identical prompts admitted together share one
+        prompt pass (see the module docstring). Greedy outputs equal those without it.
+      prefix_min_tokens: the shortest shared prefix worth reusing (a prompt shorter than this reuses only a full
+        match).
       seed: seeds requests that give none (each then gets a fresh draw from this generator).
       device: the jax device to run on (default: the first).
     """
@@ -197,7 +202,8 @@ class JaxSampler(GenerationBackend):
     def __init__(self, model: CausalLM | Qwen2_5_VLCausalLM, params, *, max_slots: int = 64,
                  max_len: int | None = None, steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
                  max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
-                 cache_dtype=None, seed: int = 0, device=None):
+                 cache_dtype=None, prefix_caching: bool = True, prefix_min_tokens: int = 16, seed: int = 0,
+                 device=None):
         if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
             raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
                             f"{type(model).__name__}")
@@ -218,13 +224,17 @@ class JaxSampler(GenerationBackend):
             raise ValueError(f"JaxSampler needs max_slots >= 1, max_len >= 2, steps_per_call >= 1, "
                              f"min_bucket >= 1;"
                              f" got {max_slots}, {max_len}, {steps_per_call}, {min_bucket}")
+        if prefix_min_tokens < 1:
+            raise ValueError(f"JaxSampler needs prefix_min_tokens >= 1, got {prefix_min_tokens}")
+        self.prefix_caching = bool(prefix_caching)
+        self.prefix_min_tokens = int(prefix_min_tokens)
         self.device = device or jax.devices()[0]
         self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
         self.prefill_tokens = int(prefill_tokens)
         self.weight_version = 0
         self.compile_counts: collections.Counter = collections.Counter()
         # decode_calls, decode_steps, prefill_calls, images (encoded by prompt passes), tokens, weight_updates, ...
-        # interrupted_sequences, drain_wait_s, ...
+        # interrupted_sequences, drain_wait_s, prompt_tokens, prefill_tokens, prefix_hits, prefix_tokens_reused, ...
         self.stats = collections.Counter()
         self._params = self._place_params(params, reference=None)
         self._rng = np.random.default_rng(seed)
@@ -254,16 +264,19 @@ class JaxSampler(GenerationBackend):
         self._admission_paused = 0  # updates (interrupt=False) waiting for the sequences in flight to finish
         self._drained: asyncio.Event | None = None  # set when the last occupied slot is released
         self._update_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        # Prefix caching, on the host: the token ids whose keys/values each slot's cache row holds (positions
+        # [0, _slot_valid) hold _slot_ids[:_slot_valid], computed by the params served now) where _slot_share is
+        # set: a text sequence in flight, or a finished one parked (_parked: its LRU tick, -1 when not parked).
+        self._slot_ids = np.zeros((b, self.max_len), np.int32)
+        self._slot_valid = np.zeros(b, np.int64)
+        self._slot_share = np.zeros(b, bool)
+        self._parked = np.full(b, -1, np.int64)
+        self._tick = 0
         self._build_programs()
 
     # ---------------------------------------------------------------------------------------- jitted programs
     def _build_programs(self):
         model, counts, max_len = self.model, self.compile_counts, self.max_len
-
-        def prefill(params, tokens):  # tokens [P, T]
-            counts["prefill"] += 1  # runs only while tracing: one per compiled shape
-            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype)
-            return prompt_cache
 
         def prefill_images(params, tokens, rope_positions, pixel_values, layout):
             # tokens [P, T], rope_positions [3, P, T], pixel_values [N, patch_dim], layout: VisionLayout over N
@@ -302,7 +315,30 @@ class JaxSampler(GenerationBackend):
             (cache, state), (tokens, logprobs, valid) = jax.lax.scan(step, (cache, state), None, length=steps)
             return cache, state, {"tokens": tokens, "logprobs": logprobs, "valid": valid}  # each [steps, B]
 
-        self._prefill = jax.jit(prefill)
+        def prefill(params, cache, tokens, rows, starts, kv_len):  # text prompts, straight into their slots' rows
+            counts["prefill"] += 1  # runs only while tracing: one per compiled shape
+            return decode.prefill_rows(model, params, cache, tokens, rows, starts, kv_len=kv_len)
+
+        def prefill_fresh(params, tokens):  # tokens [P, T]; text prompts without prefix caching
+            counts["prefill"] += 1
+            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype)
+            return prompt_cache
+
+        def start(cache, state, src, dst, copies, slots, last_token, position, rope_offset):
+            # [max_slots] each: copies cache row src[i] -> dst[i] for i < copies, one row at a time (one program
+            # whatever the count), then starts decoding in `slots` (padding: max_slots, dropped)
+            counts["start"] += 1
+            cache = jax.lax.fori_loop(0, copies, lambda i, c: decode.copy_row(c, src[i], dst[i]), cache)
+            state = {"tokens": state["tokens"].at[slots].set(last_token, mode="drop"),
+                     "positions": state["positions"].at[slots].set(position, mode="drop"),
+                     "rope_offset": state["rope_offset"].at[slots].set(rope_offset, mode="drop"),
+                     "count": state["count"].at[slots].set(0, mode="drop"),
+                     "done": state["done"].at[slots].set(False, mode="drop")}
+            return cache, state
+
+        self._prefill = jax.jit(prefill, static_argnums=(5,), donate_argnums=(1,))
+        self._prefill_fresh = jax.jit(prefill_fresh)
+        self._start = jax.jit(start, donate_argnums=(0, 1))
         self._prefill_images = jax.jit(prefill_images)
         self._insert = jax.jit(insert, donate_argnums=(0, 1))
         self._decode = jax.jit(decode_call, static_argnums=(4, 5, 6), donate_argnums=(1, 2))
@@ -329,13 +365,16 @@ class JaxSampler(GenerationBackend):
         self._wakeup.set()
         return await request.future
 
-    async def update_weights(self, params, version: int, *, interrupt: bool = False) -> None:
+    async def update_weights(self, params, version: int, *, interrupt: bool = False,
+                             keep_prefix_cache: bool = False) -> None:
         """Serves `params` as `version` (same tree, shapes and dtypes: no recompilation); see the module docstring.
 
         interrupt=False waits until the sequences in flight have finished on the old weights (admitting none
         meanwhile) and returns at once when none are; interrupt=True swaps before the next decode call and the
         sequences in flight go on with the new weights. Raises RuntimeError if the decode loop fails while this
         waits; if the sampler is closed meanwhile, the new params are installed and this returns.
+        keep_prefix_cache=False (the default) drops every cached prefix (their keys/values are the old weights');
+        True keeps them for later prompts to continue, as a partial rollout continues its KV (module docstring).
         """
         loop = asyncio.get_running_loop()
         if self._update_lock is None or self._update_lock[0] is not loop:
@@ -345,12 +384,17 @@ class JaxSampler(GenerationBackend):
                 self.stats["interrupted_sequences"] += self._in_flight()
             else:
                 await self._drain(loop)
-            self._install(params, version)
+            self._install(params, version, keep_prefix_cache)
 
-    def _install(self, params, version: int):
+    def _install(self, params, version: int, keep_prefix_cache: bool = False):
         self._params = self._place_params(params, reference=self._params)
         self.weight_version = int(version)
         self.stats["weight_updates"] += 1
+        if not keep_prefix_cache:  # computed by the old weights: no later prompt may continue them
+            self.stats["prefix_invalidated"] += int((self._parked >= 0).sum())
+            self._slot_share[:] = False
+            self._slot_valid[:] = 0
+            self._parked[:] = -1
 
     def _in_flight(self) -> int:
         """Sequences holding a slot whose caller still waits for them."""
@@ -397,6 +441,7 @@ class JaxSampler(GenerationBackend):
         return {"ok": self._failure is None and not self._closed, "weight_version": self.weight_version,
                 "active_slots": int(self._cfg["alive"].sum()), "waiting": len(self._waiting),
                 "admission_paused": bool(self._admission_paused),
+                "parked_slots": int((self._parked >= 0).sum()),
                 "compiles": dict(self.compile_counts),
                 **({"error": repr(self._failure)} if self._failure else {})}
 
@@ -548,7 +593,16 @@ class JaxSampler(GenerationBackend):
         while self._waiting and self._waiting[0][0].dead:
             self._waiting.popleft()
 
-    def _release(self, slot: int):
+    def _release(self, slot: int, park: bool = False):
+        """Frees a slot. park=True keeps its cached prefix for later prompts (a finished text sequence whose
+        keys/values are all the current weights'); otherwise the slot holds nothing reusable."""
+        if park and self._slot_share[slot]:
+            self._parked[slot] = self._tick
+            self._tick += 1
+        else:
+            self._slot_share[slot] = False
+            self._slot_valid[slot] = 0
+            self._parked[slot] = -1
         self._owners[slot] = None
         self._cfg["alive"][slot] = False
         self._cfg_device = None
@@ -556,31 +610,47 @@ class JaxSampler(GenerationBackend):
             self._drained.set()  # an update waiting for the sequences in flight can swap now
 
     def _admit(self):
-        """Moves waiting sequences into free slots: one batched prompt pass per length bucket, then a KV copy
-        into each sequence's slot."""
+        """Moves waiting sequences into free slots (parked ones count as free: least recently parked first). With
+        prefix caching, text prompts go through `_admit_text`; prompts with images, and every prompt without it,
+        through `_admit_fresh`."""
         self._release_dead()
         if self._admission_paused:
             return  # a weight update waits for the sequences in flight; the waiting ones start on the new weights
         free = self._free_slots()
         if not free or not self._waiting:
             return
-        admitted: list[tuple[_Request, int, int]] = []
-        while free and self._waiting:
+        admitted: list[tuple[_Request, int]] = []
+        while len(admitted) < len(free) and self._waiting:
             request, sample = self._waiting.popleft()
             if not request.dead:
-                admitted.append((request, sample, free.pop(0)))
+                admitted.append((request, sample))
+        if not self.prefix_caching:
+            self._admit_fresh([(request, sample, slot) for (request, sample), slot in zip(admitted, free)])
+            return
+        pool = self._admit_text([a for a in admitted if not a[0].images], free)
+        with_images = [a for a in admitted if a[0].images]
+        if with_images:  # never cached: their prompt passes run the vision tower (module docstring)
+            self._admit_fresh([(request, sample, self._take(pool)) for request, sample in with_images])
+
+    def _admit_fresh(self, admitted: list[tuple[_Request, int, int]]):
+        """Prompt passes on fresh caches, one per length bucket (and patch budget, with images; a request's samples
+        share one), then a KV copy into each sequence's slot."""
         by_prompt: dict[int, list] = {}
         for request, sample, slot in admitted:
             by_prompt.setdefault(id(request), []).append((request, sample, slot))
         groups = sorted(by_prompt.values(), key=lambda g: len(g[0][0].prompt))
         by_bucket: dict[tuple[int, bool], list] = {}
         for group in groups:
+            need = len(group[0][0].prompt) - 1
+            self.stats["prompt_tokens"] += need * len(group)
+            self.stats["prefill_tokens"] += need
+            self.stats["prefix_shared"] += len(group) - 1
+            self.stats["prefix_tokens_reused"] += need * (len(group) - 1)
             # The prompt pass covers all but the last prompt token; the first decode step feeds that one.
-            prefix = max(len(group[0][0].prompt) - 1, 1)
+            prefix = max(need, 1)
             by_bucket.setdefault((_bucket(self.buckets, prefix), bool(group[0][0].images)), []).append(group)
         for (length, with_images), bucket_groups in by_bucket.items():
-            rows = max(1, min(16, self.prefill_tokens // length))
-            rows = 1 << (rows.bit_length() - 1)  # a power of two: one compiled shape per bucket
+            rows = self._prefill_rows_per_pass(length)
             if not with_images:
                 for start in range(0, len(bucket_groups), rows):
                     self._prefill_and_insert(bucket_groups[start:start + rows], length, rows)
@@ -597,6 +667,139 @@ class JaxSampler(GenerationBackend):
             for groups_of_pass in passes:
                 self._prefill_and_insert(groups_of_pass, length, rows)
 
+    def _prefill_rows_per_pass(self, length: int) -> int:
+        rows = max(1, min(16, self.prefill_tokens // length))
+        return 1 << (rows.bit_length() - 1)  # a power of two: one compiled shape per bucket
+
+    # ---------------------------------------------------------------------------------------- prefix caching
+    def _take(self, pool: list[int]) -> int:
+        """The next slot of an admission's pool (empty slots first, then parked ones, least recently parked
+        first); a parked one loses its cached prefix."""
+        slot = pool.pop(0)
+        if self._parked[slot] >= 0:
+            self.stats["prefix_evictions"] += 1
+        self._parked[slot] = -1
+        self._slot_share[slot] = False
+        self._slot_valid[slot] = 0
+        return slot
+
+    def _longest_prefix(self, prompt: list[int], need: int, candidates: np.ndarray,
+                        owned: np.ndarray) -> tuple[int, int]:
+        """(slot, length) of the longest cached prefix of prompt[:need] among `candidates` (slots whose KV is
+        tracked), parked slots first on ties; (-1, 0) when none reaches min(prefix_min_tokens, need)."""
+        if need == 0 or candidates.size == 0:
+            return -1, 0
+        valid = self._slot_valid[candidates]
+        width = int(min(need, valid.max()))
+        if width == 0:
+            return -1, 0
+        equal = self._slot_ids[candidates, :width] == np.asarray(prompt[:width], np.int32)
+        common = np.minimum(np.where(equal.all(axis=1), width, equal.argmin(axis=1)), valid)
+        best = int(np.argmax(2 * common + ~owned[candidates]))
+        length = int(common[best])
+        if length < min(self.prefix_min_tokens, need):
+            return -1, 0
+        return int(candidates[best]), length
+
+    def _admit_text(self, admitted: list[tuple[_Request, int]], free: list[int]) -> list[int]:
+        """Starts text sequences with prefix caching; returns the free slots left (the pool).
+
+        Identical prompts share one prompt pass (a request's n samples, and a GRPO group sent as separate
+        requests). Each distinct prompt starts from the longest cached prefix among the parked and running
+        sequences: a parked slot holding it becomes the prompt's own slot (nothing copied), a running one is
+        copied; then a prompt pass computes only the rest (`decode.prefill_rows`, positions after the prefix).
+        Device work runs in this order: copies from the cached prefixes (they read slots as they were before this
+        admission), prompt passes, then one call copying each prompt's slot into the slots of its other
+        sequences and starting them all.
+        """
+        if not admitted:
+            return [s for s in free]
+        groups: dict[tuple, list[tuple[_Request, int]]] = {}
+        for request, sample in admitted:
+            groups.setdefault(tuple(request.prompt), []).append((request, sample))
+        candidates = np.flatnonzero(self._slot_share)  # none without prefix caching
+        owned = np.array([owner is not None for owner in self._owners])
+        plans = []
+        for members in groups.values():
+            prompt = members[0][0].prompt
+            need = len(prompt) - 1  # the first decode step feeds the last prompt token
+            plans.append((members, prompt, need, *self._longest_prefix(prompt, need, candidates, owned)))
+        reserved = {src for *_, src, _ in plans if src >= 0 and not owned[src]}  # parked slots read this round
+        pool = sorted((s for s in free if s not in reserved), key=lambda s: (self._parked[s] >= 0, self._parked[s]))
+        claimed: set[int] = set()
+        copies_before, passes, copies_after, started = [], [], [], []
+        for members, prompt, need, src, length in plans:
+            if src in reserved and src not in claimed:
+                primary = src  # the prompt continues the parked sequence in its own slot
+                claimed.add(src)
+            else:
+                primary = self._take(pool)
+                if src >= 0:
+                    copies_before.append((src, primary))
+            slots = [primary] + [self._take(pool) for _ in members[1:]]
+            if length < need:
+                passes.append((primary, prompt[length:need], length))
+            copies_after += [(primary, slot) for slot in slots[1:]]
+            started += [(request, sample, slot) for (request, sample), slot in zip(members, slots)]
+            self.stats["prompt_tokens"] += need * len(members)
+            self.stats["prefill_tokens"] += need - length
+            self.stats["prefix_tokens_reused"] += need * len(members) - (need - length)
+            self.stats["prefix_hits"] += int(length > 0)
+            self.stats["prefix_shared"] += len(members) - 1
+        self._start_sequences(copies_before, [])  # before the passes overwrite any slot read here
+        self._prefill_suffixes(passes)
+        self._start_sequences(copies_after, started)
+        for request, sample, slot in started:
+            need = len(request.prompt) - 1
+            self._slot_ids[slot, :need + 1] = request.prompt
+            self._slot_valid[slot] = need
+            self._slot_share[slot] = self.prefix_caching
+            self._parked[slot] = -1
+            self._assign(slot, request, sample)
+        return pool
+
+    def _prefill_suffixes(self, passes: list[tuple[int, list[int], int]]):
+        """Prompt passes continuing slots: (slot, tokens, start) writes tokens at positions start... of the
+        slot's row. Batched per suffix-length bucket (rows as for fresh prompts); the attention window of a pass
+        is the bucket of its longest start + length."""
+        by_length: dict[int, list] = {}
+        for item in passes:
+            by_length.setdefault(_bucket(self.buckets, max(len(item[1]), 1)), []).append(item)
+        for length, items in by_length.items():
+            rows = self._prefill_rows_per_pass(length)
+            items.sort(key=lambda item: item[2] + len(item[1]))
+            for first in range(0, len(items), rows):
+                chunk = items[first:first + rows]
+                tokens = np.zeros((rows, length), np.int32)
+                slots = np.zeros(rows, np.int32)
+                starts = np.full(rows, self.max_len, np.int32)  # padding rows write nothing
+                for r, (slot, suffix, start) in enumerate(chunk):
+                    tokens[r, :len(suffix)] = suffix
+                    slots[r], starts[r] = slot, start
+                kv_len = _bucket(self.buckets, max(start + len(suffix) for _, suffix, start in chunk))
+                self._cache = self._prefill(self._params, self._cache,
+                                                 *jax.device_put((tokens, slots, starts), self.device), kv_len)
+                self.stats["prefill_calls"] += 1
+
+    def _start_sequences(self, copies: list[tuple[int, int]], started: list[tuple[_Request, int, int]]):
+        """One call: copies whole cache rows (src, dst), then sets each started slot's decode state (its prompt's
+        last token at position len(prompt) - 1, nothing sampled yet)."""
+        if not copies and not started:
+            return
+        b = self.max_slots
+        src, dst = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        if copies:
+            src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        slots = np.full(b, b, np.int32)  # padding: dropped
+        last, position, rope = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
+        for i, (request, _, slot) in enumerate(started):
+            slots[i], last[i] = slot, request.prompt[-1]
+            position[i], rope[i] = len(request.prompt) - 1, request.rope_offset
+        self._cache, self._state = self._start(
+            self._cache, self._state, *jax.device_put((src, dst, np.int32(len(copies)), slots, last, position, rope),
+                                                      self.device))
+        self.stats["prefix_copies"] += len(copies)
+
     def _prefill_and_insert(self, groups, length: int, rows: int):
         tokens = np.zeros((rows, length), np.int32)
         for r, group in enumerate(groups):
@@ -606,7 +809,7 @@ class JaxSampler(GenerationBackend):
         if requests[0].images:
             prompt_cache = self._prefill_images(self._params, *self._vision_inputs(tokens, requests))
         else:
-            prompt_cache = self._prefill(self._params, jax.device_put(tokens, self.device))
+            prompt_cache = self._prefill_fresh(self._params, jax.device_put(tokens, self.device))
         self.stats["prefill_calls"] += 1
         for r, group in enumerate(groups):
             for request, sample, slot in group:
@@ -676,6 +879,7 @@ class JaxSampler(GenerationBackend):
                 raise AssertionError(f"slot {slot} produced tokens after its sequence finished")
             out_tokens, out_logprobs = request.tokens[sample], request.logprobs[sample]
             out_versions = request.token_versions[sample]
+            before = len(out_tokens)
             for step in np.flatnonzero(valid[:, slot]):
                 if request.finish[sample] is not None:
                     raise AssertionError(f"slot {slot} produced tokens after its sequence finished")
@@ -688,9 +892,13 @@ class JaxSampler(GenerationBackend):
                 elif len(out_tokens) >= request.budget:
                     request.finish[sample] = "length"
             self.stats["tokens"] += int(valid[:, slot].sum())
+            if self._slot_share[slot] and self._owners[slot] is owner:  # its cached prefix grows
+                start = len(request.prompt) + before
+                self._slot_ids[slot, start:start + len(out_tokens) - before] = out_tokens[before:]
+                self._slot_valid[slot] = len(request.prompt) + len(out_tokens) - 1
             if request.finish[sample] is not None:
                 if self._owners[slot] is owner:
-                    self._release(slot)
+                    self._release(slot, park=True)
                 request.remaining -= 1
                 if request.remaining == 0 and not request.future.done():
                     request.future.set_result(self._completions(request))
