@@ -19,6 +19,12 @@ again, which is then a no-op):
    that disagree fail much later, at a collective that hangs or a shape that does not match, or train silently
    on different settings.
 
+3. `watch(cfg)`: from then on a watchdog (`Watchdog`) in each process publishes heartbeats in the same store and
+   reads everyone's, so that a process that dies, freezes or fails stops every other one within about
+   2 x config.distributed.heartbeat_timeout, with one line naming it (ProcessLostError) and saying how to resume,
+   instead of leaving them blocked in a collective or an exchange (docs/tpu.md "When a process fails"). The
+   trainer's loop reports its own errors to the others (`stopped_by`).
+
 Fields that may legitimately differ between processes are left out of the config digest (`PER_PROCESS_FIELDS`):
 - `distributed`: process_id differs by definition; coordinator_address may be spelt differently on the
   coordinator's own host; auto-detected and explicit values describe the same run. That the processes agree on
@@ -360,8 +366,8 @@ def check_same_everywhere(cfg, timeout_s: float | None = None) -> None:
 
 
 def start(cfg) -> bool:
-    """`initialize(cfg.distributed)`, then, with several processes, `check_same_everywhere(cfg)`; True when this
-    run has several processes. Idempotent: a second call with the same config does nothing; with another config
+    """`initialize(cfg.distributed)`, then, with several processes, `check_same_everywhere(cfg)` and `watch(cfg)`;
+    True when this run has several processes. Idempotent: a second call with the same config does nothing; with another config
     (a program that trains twice) the processes compare again."""
     if not initialize(cfg.distributed):
         return False
@@ -525,6 +531,7 @@ class Watchdog:
         self._beats: dict[int, tuple[str | None, float]] = {i: (None, now) for i in range(n) if i != me}
         self._failed: dict[int, str] = {}
         self._done: set[int] = set()
+        self._exited: set[int] = set()  # processes that stopped on a failure and end now
         self._deadline = float("inf")
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._pulse, name="agentfly-watchdog-pulse", daemon=True),
@@ -557,6 +564,8 @@ class Watchdog:
                             self._failed.setdefault(i, value)
                         elif kind == "done":
                             self._done.add(i)
+                        elif kind == "exited":
+                            self._exited.add(i)
             self._stop.wait(self.interval)
 
     def _check(self) -> None:
@@ -627,20 +636,39 @@ class Watchdog:
 
     # ------------------------------------------------------------------------------------ the main thread's
     def fail(self, reason: str) -> None:
-        """Tells the other processes that this one failed (`reason`, one line): they stop at once with it. Bounded
-        (a frozen coordinator would hold the call)."""
+        """Tells the other processes that this one failed (`reason`, one line): they stop at once with it."""
         self.failed_here = True
+        self._publish("failed", reason[:500])
+
+    def _publish(self, kind: str, value: str) -> None:
+        """Sets `kind`/<this process> in the store; bounded (a frozen coordinator would hold the call)."""
         done = threading.Event()
 
         def publish():
             try:
-                self.client.key_value_set(f"{_WATCH_PREFIX}/failed/{self.me}", reason[:500], allow_overwrite=True)
+                self.client.key_value_set(f"{_WATCH_PREFIX}/{kind}/{self.me}", value, allow_overwrite=True)
             except Exception as e:  # noqa: BLE001 - the others then find out by their own timeouts
-                log.error("could not tell the other processes of this failure: %s", _first_line(e))
+                log.error("could not tell the other processes (%s): %s", kind, _first_line(e))
             done.set()
 
-        threading.Thread(target=publish, name="agentfly-watchdog-fail", daemon=True).start()
+        threading.Thread(target=publish, name=f"agentfly-watchdog-{kind}", daemon=True).start()
         done.wait(min(5.0, self.timeout))
+
+    def exiting(self) -> None:
+        """This process ends on a failure, its cleanup done. Process 0 then waits (at most `grace` s) until every
+        other process that is not lost ends too: its coordinator going away would make JAX abort them at once,
+        in the middle of their own cleanup."""
+        self._publish("exited", "1")
+        if self.me == 0:
+            deadline = time.monotonic() + self.grace
+            while time.monotonic() < deadline:
+                with self._lock:
+                    lost = {i for i, (_, t) in self._beats.items() if self._contact - t > self.timeout}
+                    waiting = set(self._beats) - lost - self._exited - self._done
+                if not waiting:
+                    break
+                time.sleep(self.interval / 2)
+        self.close()
 
     def finish(self) -> None:
         """This process ends normally: the others stop watching it (JAX's shutdown then waits for everyone)."""
@@ -806,7 +834,7 @@ def _at_exit() -> None:
     if uncaught is not None and dog.failure is None and not dog.failed_here:
         stopped_by(uncaught)
     if dog.failure is not None or dog.failed_here:
-        dog.close()
         end_child_processes()  # whatever the run's own cleanup did not close (it may not have run at all)
+        dog.exiting()
         _exit(1)
     dog.finish()

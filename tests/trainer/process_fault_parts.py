@@ -7,8 +7,10 @@ their own (nothing in the library knows of them):
 - `digit_share`, a reward that differs between the chains of an untrained policy (the quickstart's answers are
   all wrong before SFT, so GRPO would have no signal and the parameters would not move):
   `config.agent.reward='tests.trainer.process_fault_parts:digit_share'`."""
+import atexit
 import os
 import signal
+import time
 
 import jax
 
@@ -36,6 +38,9 @@ class FrozenOnProcessOne(_FailsOnProcessOne):
 
 class RaisesOnProcessOne(_FailsOnProcessOne):
     def fail(self) -> None:
+        # and its exit takes 2 s more (like stopping containers): process 0, whose coordinator the runtime of
+        # process 1 needs until then, must wait for it
+        atexit.register(time.sleep, 2)
         raise RuntimeError("an environment server of process 1 broke (injected by the test)")
 
 

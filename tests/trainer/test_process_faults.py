@@ -25,8 +25,8 @@ RUN = {"sft.stages": [], "eval.num_tasks": 0, "eval.before_sft": False, "rl.step
 def _run_with_a_fault(workdir, agent: str, deadline_s: float = 240):
     """Runs the 2-process run with `agent` (faulty on process 1) until process 0 has ended and process 1 has ended
     or is frozen. (process 0's returncode, its stderr, seconds from process 1's failure -- its end or its freeze,
-    seen from here -- to process 0's end (0 if process 0 ended first), process 1's stderr). Every child is
-    killed at the end, whatever happened."""
+    seen from here -- to process 0's end (0 if process 0 ended first), process 1's stderr and returncode). Every
+    child is killed at the end, whatever happened."""
     procs = _start_processes(2, 2, workdir, "train", {**RUN, "agent.type": f"tests.trainer.process_fault_parts:{agent}"})
     p0, p1 = procs
     deadline = time.monotonic() + deadline_s
@@ -47,7 +47,7 @@ def _run_with_a_fault(workdir, agent: str, deadline_s: float = 240):
     _, err1 = p1.communicate()
     assert failed_at is not None, f"process 1 did not fail:\n{err1[-3000:]}\nprocess 0:\n{err0[-3000:]}"
     assert ended_at is not None, f"process 0 did not end:\n{err0[-3000:]}"
-    return p0.returncode, err0, max(0.0, ended_at - failed_at), err1
+    return p0.returncode, err0, max(0.0, ended_at - failed_at), err1, p1.returncode
 
 
 def _stopped(pid: int) -> bool:
@@ -69,7 +69,7 @@ def _lost_line(stderr: str) -> str:
 
 
 def test_a_frozen_process_stops_the_other_within_the_bound(tmp_path):
-    rc, err, took, _ = _run_with_a_fault(tmp_path / "run", "FrozenOnProcessOne")
+    rc, err, took, _, _ = _run_with_a_fault(tmp_path / "run", "FrozenOnProcessOne")
     assert rc == 1, err[-3000:]
     line = _last_error_line(err)
     assert "process 1 of 2 sent no heartbeat for" in line, line
@@ -77,13 +77,15 @@ def test_a_frozen_process_stops_the_other_within_the_bound(tmp_path):
 
 
 def test_an_exception_in_one_process_stops_the_other_at_once_with_its_reason(tmp_path):
-    rc, err, took, err1 = _run_with_a_fault(tmp_path / "run", "RaisesOnProcessOne")
+    rc, err, took, err1, rc1 = _run_with_a_fault(tmp_path / "run", "RaisesOnProcessOne")
     assert rc == 1, err[-3000:]
     line = _last_error_line(err)
     assert ("process 1 of 2 failed: RuntimeError: an environment server of process 1 broke (injected by the test) "
             "(see its log)") in line, line
     assert took < HEARTBEAT, f"process 0 took {took:.1f} s to stop: it waited for a timeout"
     assert "RuntimeError: an environment server of process 1 broke" in err1
+    # process 1 ended on its own error after its cleanup, not aborted by JAX when process 0's coordinator went away
+    assert rc1 == 1, err1[-3000:]
 
 
 def test_a_killed_process_stops_the_other_and_the_run_resumes_to_the_same_params(tmp_path):
