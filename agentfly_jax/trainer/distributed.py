@@ -611,7 +611,7 @@ class Watchdog:
         self._deadline = time.monotonic() + self.grace
         log.error("%s", verdict)
         if not (self.handling or self.waiting):
-            _thread.interrupt_main()  # the main thread raises at its next Python instruction (ProcessLostError)
+            _interrupt_main()
 
     def _end_now(self) -> None:
         """The grace is over and the process still runs: its main thread is stuck (a device collective waiting for
@@ -673,10 +673,7 @@ class Watchdog:
     def finish(self) -> None:
         """This process ends normally: the others stop watching it (JAX's shutdown then waits for everyone)."""
         self._stop.set()
-        try:
-            self.client.key_value_set(f"{_WATCH_PREFIX}/done/{self.me}", "1", allow_overwrite=True)
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not tell the other processes that this one ends: %s", _first_line(e))
+        self._publish("done", "1")
 
     def close(self) -> None:
         self._stop.set()
@@ -809,6 +806,17 @@ def _alive(pid: int) -> bool:
             return fh.read().rpartition(")")[2].split()[0] != "Z"  # a zombie is gone (its parent reaps it)
     except OSError:
         return False
+
+
+def _interrupt_main() -> None:
+    """A KeyboardInterrupt in the main thread (an asyncio rollout is cancelled cleanly, asyncio's own SIGINT handler),
+    now even in a blocking call (sleep, a socket read: the signal interrupts it) that _thread.interrupt_main alone
+    would wait out. Where SIGINT is not Python's to handle (ignored, or the default action, which would kill the
+    process without cleanup), the flag only: the grace then ends a main thread that never looks at it."""
+    if callable(signal.getsignal(signal.SIGINT)):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    else:
+        _thread.interrupt_main()
 
 
 def _exit(code: int) -> None:

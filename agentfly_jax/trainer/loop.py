@@ -888,8 +888,10 @@ def train(config, workdir: str | None = None) -> dict:
             raise lost from (None if isinstance(exc, KeyboardInterrupt) else exc)
         raise
     finally:
-        forget_cleanup()
-        _close_run(run)
+        try:
+            _close_run(run)
+        finally:  # (kept until here: the close itself may be what is stuck, e.g. a save waiting for a lost peer)
+            forget_cleanup()
 
 
 def _stop_processes(exc: BaseException, reraise: bool = True):

@@ -38,6 +38,10 @@ def _refused(**changes) -> str:
 # ================================================================================================ config
 def test_distributed_section_defaults_and_command_line_placeholders():
     assert TrainConfig.build(quickstart.get_config()).distributed == DistributedSection()
+    section = DistributedSection()
+    assert (section.heartbeat_timeout, section.exchange_timeout) == (120, 3600)
+    # JAX's own heartbeat (a fatal abort of every process) comes after the watchdog's verdict and the grace
+    assert dist.jax_heartbeat_timeout(120) > 2 * 120 and dist.jax_heartbeat_timeout(4) > 2 * 4
     c = default_config()
     c.distributed.num_processes = 4  # a placeholder of type int: settable from --config.distributed.num_processes
     c.distributed.process_id = 3
@@ -60,6 +64,8 @@ def test_distributed_section_defaults_and_command_line_placeholders():
     ({"distributed__coordinator_address": ":8476"}, "coordinator_address=':8476' is out of range"),
     ({"distributed__coordinator_address": "host:http"}, "coordinator_address='host:http' is out of range"),
     ({"distributed__initialization_timeout": 0}, "config.distributed.initialization_timeout=0 is out of range"),
+    ({"distributed__heartbeat_timeout": 0}, "config.distributed.heartbeat_timeout=0 is out of range; allowed: > 0"),
+    ({"distributed__exchange_timeout": -1}, "config.distributed.exchange_timeout=-1 is out of range; allowed: > 0"),
     ({"distributed__num_processes": 2, "distributed__process_id": 2},
      "config.distributed.process_id=2 with num_processes=2: process ids run from 0 to num_processes - 1"),
     ({"distributed__num_processes": 1, "distributed__coordinator_address": "h:1"},
@@ -76,6 +82,7 @@ def test_config_digest_ignores_per_process_fields_only():
     assert len(base) == 64 and base == dist.config_digest(_cfg())  # two builds of one config
     assert dist.config_digest(_cfg(distributed__num_processes=2, distributed__process_id=1,
                                    distributed__coordinator_address="h:1", distributed__initialization_timeout=9,
+                                   distributed__heartbeat_timeout=7, distributed__exchange_timeout=60,
                                    progress=False)) == base
     for changes in ({"rl__steps": 7}, {"workdir": "runs/other"}, {"optimizer__learning_rate": 2e-6},
                     {"seq_buckets": (1024, 512)}, {"env__options": {"seed_offset": 1}}):
@@ -415,3 +422,43 @@ def _state(pid: int) -> str:
 
 def _running(pid: int) -> bool:
     return _state(pid) not in ("", "Z")
+
+
+_HUNG = """
+import logging, sys, time
+logging.basicConfig(level=logging.INFO)
+from experiments import quickstart
+from agentfly_jax.trainer import distributed
+from agentfly_jax.trainer.config import TrainConfig
+port, pid = int(sys.argv[1]), int(sys.argv[2])
+c = quickstart.get_config()
+c.distributed.coordinator_address = f"127.0.0.1:{port}"
+c.distributed.num_processes, c.distributed.process_id, c.distributed.initialization_timeout = 2, pid, 30
+c.distributed.heartbeat_timeout, c.distributed.exchange_timeout = 3, 2
+distributed.start(TrainConfig.build(c))
+try:
+    if pid == 1:
+        time.sleep(60)  # hung in its own code (an environment that never answers), its heartbeats still going
+    distributed.allgather_json({"rows": 3})
+except BaseException as e:  # what the trainer's loop does with an error that ends its run
+    raise distributed.stopped_by(e) or e
+"""
+
+
+def test_a_hung_process_is_named_at_the_exchange_and_told_to_stop():
+    """Process 1 is alive (its heartbeats go on) but never reaches the exchange: process 0 names it after
+    exchange_timeout (2 s) and tells it; process 1, interrupted in its own code, stops with process 0's reason.
+    Both exit with status 1 within seconds, not at process 1's 60 s."""
+    port = _free_port()
+    t0 = time.perf_counter()
+    results = _run_together([([sys.executable, "-c", _HUNG, str(port), str(pid)], ROOT, _env()) for pid in (0, 1)],
+                            timeout=40)
+    assert time.perf_counter() - t0 < 30
+    (rc0, _, err0), (rc1, _, err1) = results
+    assert rc0 == 1 and rc1 == 1, err0[-2000:] + err1[-2000:]
+    assert err0.strip().splitlines()[-1].startswith(
+        "agentfly_jax.trainer.distributed.DistributedError: process 1 of 2 did not publish its share of exchange 1 "
+        "within 2 s (config.distributed.exchange_timeout) although it still sends heartbeats: it hangs"), err0[-2000:]
+    assert err1.strip().splitlines()[-1].startswith(
+        "agentfly_jax.trainer.distributed.ProcessLostError: process 0 of 2 failed: DistributedError: process 1 of 2 "
+        "did not publish its share of exchange 1 within 2 s"), err1[-2000:]
