@@ -10,6 +10,20 @@ tokens each) and sample with temperature 1 (no top-p/top-k, no stop tokens) unti
 tokens. Ours: `batch` concurrent `JaxSampler.generate` calls (continuous batching, `batch` slots). Peer:
 `model.generate(do_sample=True)` on the padded batch (sdpa attention, dynamic KV cache).
 
+--mode grpo (prefix caching, JaxSampler only): a GRPO-shaped multi-turn workload, `--prompts` tasks x `--chains`
+chains x `--turns` turns, run with prefix caching on and then off on samplers of `--slots` slots:
+    python scripts/bench_sampler.py --mode grpo                                  # 64 x 8, Qwen2.5-0.5B shape (GPU)
+    python scripts/bench_sampler.py --mode grpo --shape tiny --dtype float32 --prompts 8 --chains 4 --slots 16 \
+        --prompt-len 64 --new-tokens 16 --obs-len 24                             # the short CPU version
+Each chain sends every turn as its own request, as the agent runtime does (rollout/chain.py): turn 1 is the task's
+prompt (length uniform in [prompt_len/2, prompt_len], the same for the task's chains), each later turn the
+conversation so far plus an observation (uniform in [1, obs_len] random tokens); completions sample at
+temperature 1 (seeded per chain and turn) for max_tokens uniform in [new_tokens/2, new_tokens], no stop tokens.
+A warm-up round compiles the programs; then `--repeats` measured rounds, each after a weight update (the same
+params) that drops what the round before cached, report the median wall time, and the last round the prompt tokens the admitted sequences needed, those a prompt pass actually computed, prefix hits,
+and whether the completions equal those of the other setting (seeded sampling: they do unless a near-tie of the
+two computations' rounding flips a draw).
+
 Each side runs every batch size twice after a warm-up, with N = --new-tokens and N + --extra-tokens new tokens;
   e2e tok/s    = batch * N_long / wall(N_long)                 (prompt pass included)
   decode tok/s = batch * extra / (wall(N_long) - wall(N))       (the prompt pass and fixed costs cancel)
@@ -112,7 +126,9 @@ def run_jax(args) -> list[dict]:
     results = []
     for batch in args.batches:
         prompts = _prompts(args, batch).tolist()
-        sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call)
+        # prefix caching off: every round repeats the same prompts, which it would serve from the previous round
+        sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call,
+                             prefix_caching=False)
         loop = asyncio.new_event_loop()
 
         def one_round(n, sampler=sampler, prompts=prompts, loop=loop):
@@ -130,6 +146,91 @@ def run_jax(args) -> list[dict]:
                   **_summary(args, batch, timing)}
         results.append(result)
         del sampler
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ grpo mode
+def _grpo_workload(args, vocab: int):
+    """Per task: prompt ids; per (task, chain, turn): (max_tokens, observation ids). Fixed by --seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, vocab, int(rng.integers(max(args.prompt_len // 2, 2), args.prompt_len + 1))).tolist()
+               for _ in range(args.prompts)]
+    turns = {(t, c, k): (int(rng.integers(max(args.new_tokens // 2, 1), args.new_tokens + 1)),
+                         rng.integers(0, vocab, int(rng.integers(1, args.obs_len + 1))).tolist())
+             for t in range(args.prompts) for c in range(args.chains) for k in range(args.turns)}
+    return prompts, turns
+
+
+def run_grpo(args) -> list[dict]:
+    import asyncio
+
+    import jax
+    import jax.numpy as jnp
+
+    from agentfly_jax.models import CausalLM, ModelConfig, init_params
+    from agentfly_jax.rollout.backends.jax_sampler import JaxSampler
+
+    shape = SHAPES[args.shape]
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    prompts, turns = _grpo_workload(args, shape["vocab_size"])
+    max_len = args.prompt_len + args.turns * (args.new_tokens + args.obs_len)
+    config = ModelConfig(**shape, qkv_bias=True, family="qwen2", dtype=dtype, param_dtype=dtype,
+                         max_position_embeddings=max(max_len, 2048))
+    model = CausalLM(config)
+    params = init_params(model, jax.random.PRNGKey(0))
+    device = jax.devices()[0]
+
+    async def chain(sampler, task, c):
+        prompt, out = list(prompts[task]), []
+        for k in range(args.turns):
+            max_tokens, observation = turns[task, c, k]
+            [completion] = await sampler.generate(prompt, max_tokens=max_tokens, temperature=1.0,
+                                                  seed=(task * args.chains + c) * args.turns + k)
+            out.append(completion.token_ids)
+            prompt = prompt + completion.token_ids + observation
+        return out
+
+    async def one_round(sampler):
+        return await asyncio.gather(*[chain(sampler, t, c) for t in range(args.prompts) for c in range(args.chains)])
+
+    results, outputs = [], {}
+    for caching in (True, False):
+        sampler = JaxSampler(model, params, max_slots=args.slots, max_len=max_len,
+                             steps_per_call=args.steps_per_call, prefix_caching=caching)
+        loop = asyncio.new_event_loop()
+        t0 = time.perf_counter()
+        loop.run_until_complete(one_round(sampler))  # warm-up: compiles
+        warmup_s = time.perf_counter() - t0
+        compiled, walls = sum(sampler.compile_counts.values()), []
+        for repeat in range(args.repeats):
+            # a weight update (the same params) drops what the round before cached: each round starts cold
+            loop.run_until_complete(sampler.update_weights(params, version=1 + repeat))
+            before = dict(sampler.stats)
+            t0 = time.perf_counter()
+            outputs[caching] = loop.run_until_complete(one_round(sampler))
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        loop.run_until_complete(sampler.close())
+        loop.close()
+        stats = {k: sampler.stats[k] - before.get(k, 0) for k in
+                 ("prompt_tokens", "prefill_tokens", "prefix_hits", "prefix_shared", "prefix_tokens_reused",
+                  "prefix_evictions", "prefix_copies", "prefill_calls", "decode_calls", "tokens")}
+        results.append({"impl": "agentfly_jax.JaxSampler", "mode": "grpo", "prefix_caching": caching,
+                        "device": device.device_kind, "jax": jax.__version__, "shape": args.shape,
+                        "dtype": args.dtype, "prompts": args.prompts, "chains": args.chains, "turns": args.turns,
+                        "slots": args.slots, "max_len": max_len, "steps_per_call": args.steps_per_call,
+                        "warmup_s": round(warmup_s, 2), "wall_s": round(wall, 3),
+                        "wall_s_rounds": [round(w, 3) for w in walls],
+                        "generated_tokens_per_s": round(stats["tokens"] / wall, 1), **stats,
+                        "compiles": dict(sampler.compile_counts),
+                        "compiles_in_measured_round": sum(sampler.compile_counts.values()) - compiled})
+        del sampler
+    pairs = [(a, b) for ca, cb in zip(outputs[True], outputs[False]) for a, b in zip(ca, cb)]
+    equal = sum(a == b for a, b in pairs) / len(pairs)
+    for r in results:
+        r["completions_equal_other_setting"] = round(equal, 4)
     return results
 
 
@@ -190,8 +291,32 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--bandwidth", type=float, help="HBM bytes/s for the roofline (default: by device name)")
     p.add_argument("--impl", choices=["all", "jax", "torch"], default="all")
+    p.add_argument("--mode", choices=["decode", "grpo"], default="decode",
+                   help="decode: tokens/s against transformers; grpo: prefix caching on/off (module docstring)")
+    p.add_argument("--prompts", type=int, default=64, help="grpo: tasks")
+    p.add_argument("--chains", type=int, default=8, help="grpo: chains per task (the GRPO group)")
+    p.add_argument("--turns", type=int, default=3, help="grpo: turns per chain")
+    p.add_argument("--obs-len", type=int, default=64, help="grpo: longest observation between turns")
+    p.add_argument("--slots", type=int, default=256, help="grpo: JaxSampler max_slots")
+    p.add_argument("--seed", type=int, default=0, help="grpo: the workload's random lengths and ids")
     p.add_argument("--out", help="append the JSON results to this file")
     args = p.parse_args(argv)
+
+    if args.mode == "grpo":
+        results = run_grpo(args)
+        for r in results:
+            print(json.dumps(r), flush=True)
+        on, off = results
+        print(f"SUMMARY grpo {args.shape} {args.dtype} {args.prompts}x{args.chains}x{args.turns} turns, "
+              f"{args.slots} slots on {on['device']}: prompt tokens computed {on['prefill_tokens']} with prefix "
+              f"caching vs {off['prefill_tokens']} without ({on['prefill_tokens'] / off['prefill_tokens']:.3f}x) "
+              f"of {on['prompt_tokens']} needed, {on['prefix_hits']} prefix hits; wall {on['wall_s']:.2f} s vs "
+              f"{off['wall_s']:.2f} s ({off['wall_s'] / on['wall_s']:.2f}x); completions equal: "
+              f"{on['completions_equal_other_setting']:.3f}", flush=True)
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps({"grpo": results}) + "\n")
+        return 0
 
     if args.impl != "all":
         results = run_jax(args) if args.impl == "jax" else run_torch(args)

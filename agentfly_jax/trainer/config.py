@@ -178,6 +178,13 @@ class JaxSamplerSection:
     # patches), and the smallest patch bucket (a power of two) of a pass with images
     prefill_patches: int = knob(8192, *POSITIVE)
     min_patch_bucket: int = knob(256, lambda v: v > 0 and v & (v - 1) == 0, "a power of two")
+    # prefix caching (docs/generation.md): a finished sequence's KV stays in its slot until a new sequence needs the
+    # slot, and a prompt that starts with its tokens (a chain's next turn) computes only the rest; identical
+    # prompts admitted together (a GRPO group's first turn) share one prompt pass. Outputs equal those without it;
+    # weight syncs drop the cached KV. Prompts with images are never cached. prefix_min_tokens: the shortest shared
+    # prefix worth reusing
+    prefix_caching: bool = True
+    prefix_min_tokens: int = knob(16, *POSITIVE)
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False

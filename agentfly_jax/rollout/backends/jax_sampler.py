@@ -5,16 +5,43 @@
     [completion] = await sampler.generate(prompt_ids, max_tokens=256, temperature=1.0, stop_token_ids=[eos])
 
 How it runs. Every sampled sequence occupies one of `max_slots` rows of a preallocated KV cache. A background
-asyncio task (started by the first `generate`) repeats: admit waiting sequences into free slots (one batched
-prompt pass per prompt-length bucket, its KV copied into each of the prompt's `n` slots), then dispatch one
-jitted decode call that advances every occupied slot by `steps_per_call` tokens. Sequences join and leave
-between calls; a finished sequence's slot is free for the next call. The next call is dispatched before the
+asyncio task (started by the first `generate`) repeats: admit waiting sequences into free slots (batched prompt
+passes per prompt-length bucket; see Prefix caching), then dispatch one jitted decode call that advances every
+occupied slot by `steps_per_call` tokens. Sequences join and leave between calls; a finished sequence's slot is
+free for the next call. The next call is dispatched before the
 previous one's tokens are read back, so host bookkeeping overlaps device work, and reading back happens in a
 worker thread so the event loop keeps serving agents and tools meanwhile.
 
 Shapes are bucketed so XLA compiles a handful of programs: prompt passes per prompt-length bucket (powers of
-two), decode calls per attention-window bucket (the cache prefix long enough for every occupied slot, powers of
-two) and per whether any slot uses top-p/top-k. `compile_counts` tells how many were traced.
+two; with prefix caching per (length bucket of the tokens computed, attention-window bucket) pair, at most
+b(b+1)/2 for b buckets), one program that starts sequences in their slots, decode calls per attention-window
+bucket (the cache prefix long enough for every occupied slot, powers of two) and per whether any slot uses
+top-p/top-k. `compile_counts` tells how many were traced.
+
+Prefix caching (`prefix_caching=True`, the default). The agent runtime sends each turn of each chain as its own
+request whose prompt is the whole conversation so far, and a GRPO group's n chains as n requests with the same
+first prompt. So a finished text sequence keeps its keys/values in its slot: the slot is "parked" with the token
+ids they belong to (the prompt and all sampled tokens but the last, which was never fed). Parked slots count as
+free: admission takes empty slots first, then parked ones least recently parked first (`stats["prefix_evictions"]`),
+so parking never delays a request nor uses memory beyond the `max_slots` rows. A text prompt is matched against
+every parked and every running text sequence (host numpy, longest common prefix of token ids); the longest match
+of at least min(prefix_min_tokens, prompt length - 1) tokens is reused: a parked slot holding it becomes the
+prompt's own slot (its later positions are overwritten), a running sequence's row is copied into the new slot;
+then a prompt pass (`decode.prefill_rows`) computes only the tokens after the match, in place in the slot's row,
+attending to the reused keys. Identical prompts admitted in one round (a request's n samples, or separate
+requests) share one pass; their other slots get copies of the first one's row. Device work per admission: copies
+from cached prefixes (reading rows as they were), the passes, then one call copying rows to the group members and
+starting every admitted sequence. Counters: `stats["prompt_tokens"]` (tokens the admitted sequences' prompt passes
+cover: their prompt less the last token), `stats["prefill_tokens"]` (those actually computed),
+`prefix_tokens_reused` (the difference), `prefix_hits` (distinct prompts that reused cached KV), `prefix_shared`
+(sequences served by another's pass in the same round), `prefix_copies`, `prefix_evictions`,
+`prefix_invalidated`; `health()["parked_slots"]`. The reused keys/values are those the same weights computed for
+the same tokens at the same positions, so outputs equal a full prompt pass up to float rounding (greedy tokens
+equal and logprobs within 1e-5 in fp32, tests/backends/test_jax_sampler_prefix.py); prefix_caching=False runs
+every prompt whole (a fresh-cache pass per length bucket copied into its slots), as before. Under slot pressure
+(more chains than slots) a parked slot is often reclaimed before the chain's next turn arrives, and caching then
+saves little. Prompts with images are never matched nor parked (their prompt passes run the vision tower and
+mRoPE positions; see Images); text prompts of a vision-language model are.
 
 Sampling and logprobs. Logits are scaled by 1/temperature; top-k, then top-p (on the top-k renormalised
 distribution) restrict the candidates; the token is drawn with the Gumbel-max trick from a per-sequence key
@@ -36,6 +63,15 @@ its own copy of the params (on its device, in the dtypes it started with): the t
     weights from the next decode call (`stats["interrupted_sequences"]` counts them). Their KV cache stays as it
     was computed (prompt and earlier tokens by the old weights): the logprob recorded for each token is that of
     the distribution that actually sampled it, so the trainer's importance correction against it is exact.
+  Cached prefixes (prefix caching): every update drops them (`stats["prefix_invalidated"]` counts the parked
+    slots dropped), and a sequence in flight across an interrupting update is not parked when it finishes (its
+    KV mixes both weights), so by default every prompt admitted after an update is computed by the new weights
+    alone, as without caching. `update_weights(..., keep_prefix_cache=True)` keeps them: a later prompt that
+    continues a conversation then reuses keys/values the old weights computed, as a partial rollout (interrupt=True)
+    continues its own. Its logprobs are still those of the distribution that sampled each token (what the
+    trainer's importance correction needs), but they are not what the new weights alone give for the whole
+    conversation, and any prompt sharing a cached prefix (another task with the same system prompt) reuses it too.
+    The trainer does not pass it.
 Each Completion carries `token_versions`, the version whose params the decode call that sampled each token used.
 Since the next call is dispatched before the previous one is read back, the version is taken when a call is
 dispatched, together with the slot owners of that call, not when its tokens are collected. `weight_version` is
@@ -53,8 +89,8 @@ each (prompt bucket, patch bucket); passes hold as many of a bucket's prompts as
 (the vision tower attends densely over a pass's patches). Decoding then rotates each token by its cache index
 plus the row's offset, the same on all three axes, as transformers' generate does. Prompts without images take
 the text path, on a vision-language model too (offset 0), and text models compile exactly the programs they
-always did. Nothing computed for one request is reused for another (a prompt's `n` samples share its one pass),
-so a later turn's prompt encodes its earlier images again from their pixels, with the current weights.
+always did. Prompts with images are never prefix-cached (a prompt's `n` samples share its one pass), so a later
+turn's prompt encodes its earlier images again from their pixels, with the current weights.
 """
 from __future__ import annotations
 
@@ -247,6 +283,9 @@ class JaxSampler(GenerationBackend):
             self._state = {"tokens": jnp.zeros(b, jnp.int32), "positions": jnp.zeros(b, jnp.int32),
                            "rope_offset": jnp.zeros(b, jnp.int32), "count": jnp.zeros(b, jnp.int32),
                            "done": jnp.ones(b, bool)}
+        # committed to the device, as every later cache and state (program outputs) is: else the first call of a
+        # program would compile it for uncommitted inputs and the next call once more
+        self._cache, self._state = jax.device_put((self._cache, self._state), self.device)
         # Per-slot sampling settings, kept on the host and uploaded when they change.
         self._cfg = {"temperature": np.zeros(b, np.float32), "top_p": np.ones(b, np.float32),
                      "top_k": np.zeros(b, np.int32), "stops": np.full((b, self.max_stop_tokens), -1, np.int32),
