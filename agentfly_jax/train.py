@@ -48,6 +48,8 @@ def main(argv) -> None:
         _die(str(e))
     except NonFiniteTrainingError as e:  # the run stopped itself; its scalars and earlier checkpoints are kept
         _die(f"training stopped: {e}", code=1)
+    except distributed.DistributedError as e:  # another process of the run was lost or failed (docs/tpu.md)
+        _die(f"training stopped: {e}", code=1)
     print(json.dumps(summary, indent=2))
     if summary.get("success_after") is not None:
         print(f"\n{summary['algorithm']}: success {summary['success_before']:.2f} -> {summary['success_after']:.2f} "

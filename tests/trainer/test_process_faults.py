@@ -135,3 +135,27 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes_to_the_same_params
     lines = [json.loads(line) for line in open(tmp_path / "straight" / "tensorboard" / "metrics.jsonl")]
     norms = [line["policy/grad_norm"] for line in lines if "policy/grad_norm" in line]
     assert len(norms) == run["rl.steps"] and min(norms) > 0, norms
+
+
+def test_the_cli_reports_a_lost_process_in_one_line(monkeypatch, capsys):
+    """`agentfly-train` ends a run stopped by another process's loss or failure with status 1 and the
+    ProcessLostError's line (the run itself is faked: the 2-process runs above check the error)."""
+    from absl import flags
+
+    from agentfly_jax import train as cli
+    from agentfly_jax.trainer import distributed, loop
+    from experiments.quickstart import get_config
+
+    reason = "process 1 of 2 failed: RuntimeError: boom; every process of this run stops"
+
+    def lost(_config):
+        raise distributed.ProcessLostError(reason)
+
+    flags.FLAGS.mark_as_parsed()
+    monkeypatch.setattr(flags.FLAGS["config"], "value", get_config("cpu"))
+    monkeypatch.setattr(distributed, "start", lambda _config: None)
+    monkeypatch.setattr(loop, "train", lost)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["agentfly-train"])
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"agentfly-train: training stopped: {reason}"
