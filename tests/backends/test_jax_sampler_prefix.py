@@ -14,6 +14,9 @@ import pytest
 from agentfly_jax.models import decode
 from agentfly_jax.rollout.backends import JaxSampler
 from tests.backends.conftest import trainer_logprobs
+from tests.backends.test_jax_sampler_images import checkpoint as vl_checkpoint  # noqa: F401 (a fixture)
+from tests.backends.test_jax_sampler_images import tokenizer as vl_tokenizer  # noqa: F401 (a fixture)
+from tests.backends.test_jax_sampler_images import user_prompt
 
 VOCAB = 1024
 OPTIONS = {"max_slots": 16, "max_len": 256, "steps_per_call": 4, "prefix_min_tokens": 4}
@@ -336,3 +339,42 @@ def test_compiles_stay_bounded(tiny_model):
     assert sampler.compile_counts["prefill"] <= buckets * (buckets + 1) // 2
     assert sampler.compile_counts["start"] == 1 and sampler.compile_counts["insert"] == 0
     assert sampler.compile_counts["decode"] <= buckets
+
+
+# ------------------------------------------------------------------------------------------- images
+def test_vision_language_policy_caches_text_prompts_only(vl_checkpoint, vl_tokenizer):
+    """A Qwen2.5-VL policy: a text conversation's next turn continues its parked KV; prompts with images are never
+    matched nor parked (a turn after an image prompt is computed whole). Outputs equal caching off."""
+    _, model, params = vl_checkpoint
+    options = dict(max_slots=4, max_len=256, steps_per_call=4, min_patch_bucket=32, prefix_min_tokens=4)
+    on = JaxSampler(model, params, **options)
+    off = JaxSampler(model, params, prefix_caching=False, **options)
+    text, _ = user_prompt(vl_tokenizer, ["no picture here, only a question about the weather?"])
+    with_image, images = user_prompt(vl_tokenizer, ["wide", "what is in it?"])
+    follow_up = user_prompt(vl_tokenizer, ["and then?"])[0][-8:]  # the tail of a user turn: plain text ids
+
+    async def workload(sampler):
+        out, counts = {}, {}
+        [out["t1"]] = await sampler.generate(text, max_tokens=8, temperature=0.0)
+        [out["t2"]] = await sampler.generate(text + out["t1"].token_ids + follow_up, max_tokens=8, temperature=0.0)
+        counts["text"] = (sampler.stats["prefix_hits"], sampler.stats["prefill_tokens"])
+        [out["i1"]] = await sampler.generate(with_image, images=images, max_tokens=8, temperature=0.0)
+        [out["i2"]] = await sampler.generate(with_image + out["i1"].token_ids + follow_up, images=images,
+                                             max_tokens=8, temperature=0.0)
+        counts["images"] = (sampler.stats["prefix_hits"], sampler.stats["prefill_tokens"])
+        counts["parked"] = (await sampler.health())["parked_slots"]
+        await sampler.close()
+        return out, counts
+
+    out_on, counts = asyncio.run(workload(on))
+    out_off, _ = asyncio.run(workload(off))
+    for key in out_on:
+        assert out_on[key].token_ids == out_off[key].token_ids, key
+        np.testing.assert_allclose(out_on[key].logprobs, out_off[key].logprobs, atol=1e-5, rtol=0)
+    # turn 2 computes len(follow_up) tokens: turn 1's last sampled token and all of follow_up but the last
+    assert counts["text"] == (1, len(text) - 1 + len(follow_up))
+    hits, computed = counts["images"]
+    assert hits == 1  # no image prompt reused anything
+    assert computed - counts["text"][1] == len(with_image) - 1 + len(with_image) + 8 + len(follow_up) - 1
+    assert counts["parked"] == 1  # the text conversation only
+    assert on.stats["images"] == 2 and on.compile_counts["prefill_images"] >= 1

@@ -751,8 +751,6 @@ class JaxSampler(GenerationBackend):
         admission), prompt passes, then one call copying each prompt's slot into the slots of its other
         sequences and starting them all.
         """
-        if not admitted:
-            return [s for s in free]
         groups: dict[tuple, list[tuple[_Request, int]]] = {}
         for request, sample in admitted:
             groups.setdefault(tuple(request.prompt), []).append((request, sample))
