@@ -378,3 +378,22 @@ def test_vision_language_policy_caches_text_prompts_only(vl_checkpoint, vl_token
     assert computed - counts["text"][1] == len(with_image) - 1 + len(with_image) + 8 + len(follow_up) - 1
     assert counts["parked"] == 1  # the text conversation only
     assert on.stats["images"] == 2 and on.compile_counts["prefill_images"] >= 1
+
+
+# ------------------------------------------------------------------------------------------- config
+def test_config_knobs_reach_the_sampler(tiny_model):
+    """config.jax_sampler.prefix_caching (default on) and prefix_min_tokens are the trainer's sampler's options."""
+    from agentfly_jax.trainer import builders
+    from agentfly_jax.trainer.config import ConfigError, TrainConfig
+    from experiments.quickstart import get_config
+
+    model, params = tiny_model
+    config = get_config()
+    assert TrainConfig.build(config).jax_sampler.prefix_caching is True
+    config.jax_sampler.prefix_caching, config.jax_sampler.prefix_min_tokens = False, 7
+    config.jax_sampler.max_slots, config.jax_sampler.max_len = 2, 32
+    sampler = builders.build_backend(TrainConfig.build(config), model, params)
+    assert (sampler.prefix_caching, sampler.prefix_min_tokens) == (False, 7)
+    config.jax_sampler.prefix_min_tokens = 0
+    with pytest.raises(ConfigError, match="prefix_min_tokens"):
+        TrainConfig.build(config)

@@ -8,9 +8,9 @@ How it runs. Every sampled sequence occupies one of `max_slots` rows of a preall
 asyncio task (started by the first `generate`) repeats: admit waiting sequences into free slots (batched prompt
 passes per prompt-length bucket; see Prefix caching), then dispatch one jitted decode call that advances every
 occupied slot by `steps_per_call` tokens. Sequences join and leave between calls; a finished sequence's slot is
-free for the next call. The next call is dispatched before the
-previous one's tokens are read back, so host bookkeeping overlaps device work, and reading back happens in a
-worker thread so the event loop keeps serving agents and tools meanwhile.
+free for the next call. The next call is dispatched before the previous one's tokens are read back, so host
+bookkeeping overlaps device work, and reading back happens in a worker thread so the event loop keeps serving
+agents and tools meanwhile.
 
 Shapes are bucketed so XLA compiles a handful of programs: prompt passes per prompt-length bucket (powers of
 two; with prefix caching per (length bucket of the tokens computed, attention-window bucket) pair, at most
@@ -40,7 +40,7 @@ the same tokens at the same positions, so outputs equal a full prompt pass up to
 equal and logprobs within 1e-5 in fp32, tests/backends/test_jax_sampler_prefix.py); prefix_caching=False runs
 every prompt whole (a fresh-cache pass per length bucket copied into its slots), as before. Under slot pressure
 (more chains than slots) a parked slot is often reclaimed before the chain's next turn arrives, and caching then
-saves little. Prompts with images are never matched nor parked (their prompt passes run the vision tower and
+saves less (about half of the prompt tokens with 2 to 8 times more chains than slots, docs/benchmarks.md). Prompts with images are never matched nor parked (their prompt passes run the vision tower and
 mRoPE positions; see Images); text prompts of a vision-language model are.
 
 Sampling and logprobs. Logits are scaled by 1/temperature; top-k, then top-p (on the top-k renormalised
@@ -64,11 +64,11 @@ its own copy of the params (on its device, in the dtypes it started with): the t
     was computed (prompt and earlier tokens by the old weights): the logprob recorded for each token is that of
     the distribution that actually sampled it, so the trainer's importance correction against it is exact.
   Cached prefixes (prefix caching): every update drops them (`stats["prefix_invalidated"]` counts the parked
-    slots dropped), and a sequence in flight across an interrupting update is not parked when it finishes (its
-    KV mixes both weights), so by default every prompt admitted after an update is computed by the new weights
+    slots dropped), and a sequence in flight across an interrupting update is neither parked when it finishes
+    nor copied from meanwhile (its KV mixes both weights), so by default every prompt admitted after an update is computed by the new weights
     alone, as without caching. `update_weights(..., keep_prefix_cache=True)` keeps them: a later prompt that
     continues a conversation then reuses keys/values the old weights computed, as a partial rollout (interrupt=True)
-    continues its own. Its logprobs are still those of the distribution that sampled each token (what the
+    continues its own (sequences in flight stay reusable too). Its logprobs are still those of the distribution that sampled each token (what the
     trainer's importance correction needs), but they are not what the new weights alone give for the whole
     conversation, and any prompt sharing a cached prefix (another task with the same system prompt) reuses it too.
     The trainer does not pass it.
