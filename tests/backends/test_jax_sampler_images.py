@@ -253,8 +253,9 @@ def test_compiles_one_prompt_pass_per_length_and_patch_bucket(checkpoint, tokeni
     assert asyncio.run(run([wide_longer, wide, text]))["prefill_images"] == 1
     counts = asyncio.run(run([square, wide]))
     assert counts["prefill_images"] == 2 and counts["prefill"] == 1
-    # one slot insert per prompt bucket (the text prompt's is shorter) and one decode program, images or not
-    assert counts["insert"] == 2 and counts["decode"] == 1
+    # the image prompts' one slot insert (one prompt bucket), the text prompt started through prefix caching's
+    # in-place prompt pass and its start program, and one decode program, images or not
+    assert counts["insert"] == 1 and counts["start"] == 1 and counts["decode"] == 1
     assert sampler.stats["images"] == 6  # every pass encodes its prompts' images
     asyncio.run(sampler.close())
 
