@@ -88,6 +88,7 @@ class Run:
     serving_model: Any = None  # the policy as served and exported (a LoRA policy: the plain model)
     serve_params: Any = None  # policy params -> the serving model's params (LoRA: adapters merged)
     trainable: Any = None  # which policy parameters are trained (LoRA: the adapters); None: all
+    engine_seen: dict = dataclasses.field(default_factory=dict)  # the sampler's cumulative counters, last logged
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -751,14 +752,27 @@ def _rollout_image_metrics(counts: list) -> dict:
     return {"rollout/images": float(sum(counts)), "rollout/images_mean": float(np.mean(counts))}
 
 
+#: The JAX sampler's cumulative prompt counters (`JaxSampler.stats`) logged per step, as the step's share.
+_PREFIX_COUNTERS = ("prompt_tokens", "prefill_tokens", "prefix_tokens_reused", "prefix_hits", "prefix_evictions")
+
+
 def _engine_metrics(run: Run) -> dict:
     """The JAX sampler's compiled programs so far (bounded shapes: they should stop growing after the first
-    steps) and the devices' peak memory, where the runtime reports them."""
+    steps), its prompt work since the last call (prompt tokens asked for, computed, and taken from cached
+    prefixes; prefix hits and evictions; the share of prompt tokens reused) and the devices' peak memory, where
+    the runtime reports them."""
     out = {}
     counts = getattr(run.backend, "compile_counts", None)  # the JAX sampler's programs traced, by kind
     if counts is not None:
         out["sampler/compiles"] = float(sum(counts.values()))
         out.update({f"sampler/compiles_{kind}": float(n) for kind, n in counts.items()})
+    stats = getattr(run.backend, "stats", None)
+    if counts is not None and stats is not None:
+        now = {key: float(stats.get(key, 0)) for key in _PREFIX_COUNTERS}
+        out.update({f"sampler/{key}": value - run.engine_seen.get(key, 0.0) for key, value in now.items()})
+        run.engine_seen = now
+        if out["sampler/prompt_tokens"] > 0:
+            out["sampler/prefix_reused_fraction"] = out["sampler/prefix_tokens_reused"] / out["sampler/prompt_tokens"]
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     if peaks and all(p is not None for p in peaks):
         out["memory/peak_gib"] = max(peaks) / 2**30
@@ -1184,9 +1198,10 @@ def _put_global(tree, shardings):
 #: How the processes' host scalars of a step combine: the largest (peaks, waits, per-process programs and
 #: memory), a mean weighted by the key named (per-call or per-chain means), else the sum (counts).
 _LARGEST = ("_peak", "wall_time_s", "dynamic_sampling/rounds")
-_LARGEST_PREFIXES = ("sampler/", "memory/", "async/")
+_LARGEST_PREFIXES = ("sampler/compiles", "memory/", "async/")
 _MEAN_WEIGHTS = {"rollout/generation_latency_s_mean": "rollout/generation_calls",
-                 "rollout/tool_latency_s_mean": "rollout/tool_calls"}
+                 "rollout/tool_latency_s_mean": "rollout/tool_calls",
+                 "sampler/prefix_reused_fraction": "sampler/prompt_tokens"}
 
 
 def combine_process_metrics(per_process: list[dict]) -> dict:
@@ -1200,7 +1215,7 @@ def combine_process_metrics(per_process: list[dict]) -> dict:
         values = [float(m[key]) for m in present]
         if key.endswith(_LARGEST) or key.startswith(_LARGEST_PREFIXES):
             out[key] = max(values)
-        elif "mean" in key or "per_chain" in key:
+        elif "mean" in key or "per_chain" in key or key in _MEAN_WEIGHTS:
             weights = [float(m.get(_MEAN_WEIGHTS.get(key, "rollout/chains"), 1.0)) for m in present]
             out[key] = (sum(w * v for w, v in zip(weights, values)) / sum(weights) if sum(weights)
                         else sum(values) / len(values))

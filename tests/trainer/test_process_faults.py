@@ -88,15 +88,42 @@ def test_an_exception_in_one_process_stops_the_other_at_once_with_its_reason(tmp
     assert rc1 == 1, err1[-3000:]
 
 
+def _check_a_two_process_run(workdir, results, run):
+    """An uninterrupted train() on 2 processes: each rolled out half of a step's tasks and evaluated half of the
+    held-out tasks; both finished with the same summary (evaluation reduced over both); process 0 alone wrote
+    config.json, the metrics, summary.json and the final policy (process 1: its checkpoint shards only); the logged
+    rollout scalars count both processes' chains, once per step."""
+    from agentfly_jax.trainer.metrics import read_scalars
+
+    assert results[0]["summary"] == results[1]["summary"]
+    summary, steps = results[0]["summary"], run["rl.steps"]
+    eval_chains = json.load(open(workdir / "config.json"))["eval"]["num_chains"]
+    assert summary["steps"] == steps and summary["eval_episodes"] == run["eval.num_tasks"] * eval_chains
+    assert [w for w in results[1]["written"] if not w.startswith("checkpoints")] == []
+    assert json.load(open(workdir / "summary.json"))["success_after"] == summary["success_after"]
+    assert (workdir / "final_policy" / "model.safetensors").is_file()
+    assert sorted(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit()) == list(range(1, steps + 1))
+    lines = [json.loads(line) for line in open(workdir / "tensorboard" / "metrics.jsonl")]
+    logged = [line for line in lines if "reward/mean" in line]
+    assert [line["step"] for line in logged] == list(range(1, steps + 1))  # logged once per step
+    for line in logged:  # every task's chains, half of the tasks rolled out by each process
+        assert line["rollout/chains"] == run["rl.tasks_per_step"] * run["rl.chains_per_task"]
+    assert [s for s, _ in read_scalars(str(workdir / "tensorboard"))["eval/success"]] == [0, steps]
+
+
 def test_a_killed_process_stops_the_other_and_the_run_resumes_to_the_same_params(tmp_path):
     """A 2-process GRPO run (rewarded by the share of digits in a response, which differs between an untrained
     policy's chains, so that every step moves the parameters) is SIGKILLed on process 1 once checkpoint 1 exists,
     wherever that lands (a rollout, an exchange, a collective): process 0 stops within the bound with the line
     that names process 1. Both processes restarted with resume=True, as the line says, end with exactly the
     parameters of the same run never interrupted: each step's rollouts depend on the step and the process only,
-    not on what the processes did before."""
-    run = {**RUN, "agent.reward": "tests.trainer.process_fault_parts:digit_share"}
-    straight = _processes(2, 2, tmp_path / "straight", "train", run)[0]["summary"]
+    not on what the processes did before. The uninterrupted run is also the check of a whole 2-process run
+    (`_check_a_two_process_run`)."""
+    run = {**RUN, "agent.reward": "tests.trainer.process_fault_parts:digit_share", "eval.num_tasks": 4}
+    straight_dir = tmp_path / "straight"
+    results = _processes(2, 2, straight_dir, "train", run)
+    _check_a_two_process_run(straight_dir, results, run)
+    straight = results[0]["summary"]
     assert straight["resumed_from"] is None
 
     workdir = tmp_path / "killed"

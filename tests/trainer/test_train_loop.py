@@ -24,6 +24,7 @@ EXPECTED_TAGS = [
     "rollout/envs_in_use_peak", "policy/approx_kl", "policy/entropy", "policy/clip_fraction", "policy/grad_norm",
     "throughput/update_tokens_per_s", "throughput/rollout_tokens_per_s", "time/rollout_s", "time/update_s",
     "time/weight_sync_s", "eval/success", "sft/loss", "eval_before_sft/success", "sampler/compiles",
+    "sampler/prompt_tokens", "sampler/prefill_tokens", "sampler/prefix_tokens_reused", "sampler/prefix_hits",
 ]
 
 
@@ -61,6 +62,10 @@ def test_quickstart_short_run(tmp_path, algorithm, extra):
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, f"TensorBoard lacks {missing}"
     assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
+    # the sampler's prompt work of each step: every prompt token computed or taken from a cached prefix
+    prompt, computed, reused = (dict(scalars[f"sampler/{k}"]) for k in ("prompt_tokens", "prefill_tokens",
+                                                                         "prefix_tokens_reused"))
+    assert all(prompt[s] > 0 and prompt[s] == computed[s] + reused[s] for s in (1, 2)), (prompt, computed, reused)
     if algorithm == "ppo":
         assert "critic/loss" in scalars
     if extra:  # DAPO's dynamic sampling and overlong shaping report what they did each step
