@@ -180,7 +180,7 @@ def run_worker(args) -> dict:
         raise RuntimeError(f"the update step's loss is {loss}")
     median = statistics.median(times)
     stats = jax.local_devices()[0].memory_stats() or {}
-    result.update(step_ms=round(1e3 * median, 2), step_ms_min=round(1e3 * min(times), 2),
+    result.update(step_ms=round(1e3 * median, 3), step_ms_min=round(1e3 * min(times), 3),
                   tokens_per_s=round(result["global_tokens"] / median, 1),
                   peak_gib=round(stats["peak_bytes_in_use"] / 2**30, 2) if "peak_bytes_in_use" in stats else None,
                   loss=loss)
@@ -373,7 +373,7 @@ def main(argv=None) -> int:
                 baseline[shape] = r["tokens_per_s"]
             if shape in baseline:
                 r["speedup"] = round(r["tokens_per_s"] / baseline[shape], 3)
-                r["efficiency"] = round(r["speedup"] / devices, 4)
+                r["efficiency"] = round(r["tokens_per_s"] / baseline[shape] / devices, 4)  # not the rounded speedup
             if processes == 1:
                 single_process[(shape, layout, devices)] = r["tokens_per_s"]
             elif (shape, layout, devices) in single_process:

@@ -36,6 +36,15 @@ for pid_file in "${pid_files[@]}"; do
     if group_alive "$pid"; then
       log "pid $pid still alive after ${TIMEOUT} s: SIGKILL"
       kill -KILL -- "-$pid" 2>/dev/null || true
+      # a SIGKILLed process ends when the kernel gets to it (later on a loaded machine): return once it has
+      for _ in $(seq 50); do
+        group_alive "$pid" || break
+        sleep 0.2
+      done
+      if group_alive "$pid"; then
+        log "process group $pid still has live members 10 s after SIGKILL: $(ps -e -o pid=,pgid=,stat=,comm= \
+          | awk -v g="$pid" '$2 == g' | tr '\n' ';')"
+      fi
     fi
     log "stopped the server of $(basename "$pid_file" .pid) (pid $pid)"
   fi
