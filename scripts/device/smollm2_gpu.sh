@@ -49,6 +49,15 @@ install_package() {  # the staged wheels, then the package itself (not editable)
     cp -r "$SITE"/pkg/agentfly_jax-*.dist-info "$SITE"/ && rm -rf "$SITE/pkg"
 }
 
+start_run() {  # NAME CONFIG [--config.* ...]: the trainer in its own session under $WORK/runs/NAME, logging to NAME.log
+  local name="$1" config="$2"
+  shift 2
+  [ -f "$config" ] || { log "no $config"; exit 2; }
+  setsid nohup "$PY" -m agentfly_jax.train --config "$config" --config.workdir="$WORK/runs/$name" \
+    --config.progress=False "$@" > "$WORK/runs/$name.log" 2>&1 < /dev/null &
+  log "started $name (pid $!)"
+}
+
 case "${1:-}" in
   stage)
     cp .carry/gguf1/part.00 "$WORK/part.00"
@@ -102,11 +111,8 @@ case "${1:-}" in
     env_vars
     mkdir -p "$WORK/runs"
     for name in "$@"; do
-      config="experiments/smollm2_${name}.py"
-      [ -f "$config" ] || { log "no $config"; exit 2; }
-      setsid nohup "$PY" -m agentfly_jax.train --config "$config" --config.workdir="$WORK/runs/$name" \
-        --config.progress=False ${EXTRA_FLAGS:-} > "$WORK/runs/$name.log" 2>&1 < /dev/null &
-      log "started $name (pid $!)"
+      # shellcheck disable=SC2086  # EXTRA_FLAGS: several --config.* words
+      start_run "$name" "experiments/smollm2_${name}.py" ${EXTRA_FLAGS:-}
     done
     ;;
   queue)
@@ -123,12 +129,9 @@ case "${1:-}" in
   experiment)  # experiments/NAME.py in the background (extra args: --config.* overrides); `status` shows it
     shift
     name="$1"; shift
-    [ -f "experiments/${name}.py" ] || { log "no experiments/${name}.py"; exit 2; }
     env_vars
     mkdir -p "$WORK/runs"
-    setsid nohup "$PY" -m agentfly_jax.train --config "experiments/${name}.py" --config.workdir="$WORK/runs/$name" \
-      --config.progress=False "$@" > "$WORK/runs/$name.log" 2>&1 < /dev/null &
-    log "started $name (pid $!)"
+    start_run "$name" "experiments/${name}.py" "$@"
     ;;
   bench-async)  # scripts/bench_async.py on a real recipe (default search), in the background; `status` shows it
     shift
