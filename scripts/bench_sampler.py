@@ -128,7 +128,7 @@ def run_jax(args) -> list[dict]:
         prompts = _prompts(args, batch).tolist()
         # prefix caching off: every round repeats the same prompts, which it would serve from the previous round
         sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call,
-                             prefix_caching=False)
+                             prefix_caching=False, sampling_noise=args.sampling_noise)
         loop = asyncio.new_event_loop()
 
         def one_round(n, sampler=sampler, prompts=prompts, loop=loop):
@@ -289,6 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--steps-per-call", type=int, default=8, help="JaxSampler decode steps per jitted call")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sampling-noise", choices=["hash", "threefry"], default="hash", help="JaxSampler sampling_noise")
     p.add_argument("--bandwidth", type=float, help="HBM bytes/s for the roofline (default: by device name)")
     p.add_argument("--impl", choices=["all", "jax", "torch"], default="all")
     p.add_argument("--mode", choices=["decode", "grpo"], default="decode",

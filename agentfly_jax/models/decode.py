@@ -95,23 +95,28 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
     for i in range(c.num_layers):
         layer = decoder[f"layers_{i}"]
         attn = layer["self_attn"]
-        h = _norm(c, layer["input_layernorm"], x)
-        q = _heads(c, attn["q_proj"], h, c.num_heads, "heads")  # [B, T, H, D]
-        k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads")  # [B, T, K, D]
-        q = apply_rope(q, rope_positions, inv_freq, mrope_section)
-        k = apply_rope(k, rope_positions, inv_freq, mrope_section)
-        v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads")
-        cache_k = cache_k.at[i, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[i, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
-        if cache_rows is None:
-            keys = cache_k[i, :, :kv_len].astype(c.dtype)  # [B, kv_len, K, D]
-            values = cache_v[i, :, :kv_len].astype(c.dtype)
-        else:
-            keys = cache_k[i, cache_rows, :kv_len].astype(c.dtype)
-            values = cache_v[i, cache_rows, :kv_len].astype(c.dtype)
-        out = dot_product_attention(q, keys, values, mask, "xla")  # [B, T, H, D]
-        x = x + OutProjection(c.hidden_size, c.dtype, c.param_dtype).apply({"params": attn["o_proj"]}, out)
-        x = x + MLP(c).apply({"params": layer["mlp"]}, _norm(c, layer["post_attention_layernorm"], x))
+        with jax.named_scope("qkv"):
+            h = _norm(c, layer["input_layernorm"], x)
+            q = _heads(c, attn["q_proj"], h, c.num_heads, "heads")  # [B, T, H, D]
+            k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads")  # [B, T, K, D]
+            q = apply_rope(q, rope_positions, inv_freq, mrope_section)
+            k = apply_rope(k, rope_positions, inv_freq, mrope_section)
+            v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads")
+        with jax.named_scope("cache_write"):
+            cache_k = cache_k.at[i, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[i, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+        with jax.named_scope("attention"):
+            if cache_rows is None:
+                keys = cache_k[i, :, :kv_len].astype(c.dtype)  # [B, kv_len, K, D]
+                values = cache_v[i, :, :kv_len].astype(c.dtype)
+            else:
+                keys = cache_k[i, cache_rows, :kv_len].astype(c.dtype)
+                values = cache_v[i, cache_rows, :kv_len].astype(c.dtype)
+            out = dot_product_attention(q, keys, values, mask, "xla")  # [B, T, H, D]
+        with jax.named_scope("o_proj"):
+            x = x + OutProjection(c.hidden_size, c.dtype, c.param_dtype).apply({"params": attn["o_proj"]}, out)
+        with jax.named_scope("mlp"):
+            x = x + MLP(c).apply({"params": layer["mlp"]}, _norm(c, layer["post_attention_layernorm"], x))
     hidden = _norm(c, decoder["norm"], x)
     return hidden, {"k": cache_k, "v": cache_v}
 
@@ -149,7 +154,8 @@ def decode_step(model: CausalLM, params, cache: dict, tokens, positions, *, kv_l
     rope = None if rope_positions is None else rope_positions[:, None]
     hidden, cache = extend(model, params, cache, tokens[:, None], positions[:, None], kv_len=kv_len,
                            rope_positions=rope)
-    return logits(model, params, hidden[:, 0]), cache
+    with jax.named_scope("lm_head"):
+        return logits(model, params, hidden[:, 0]), cache
 
 
 def prefill_rows(model: CausalLM, params, cache: dict, tokens, rows, starts, *, kv_len: int) -> dict:

@@ -185,6 +185,9 @@ class JaxSamplerSection:
     # prefix worth reusing
     prefix_caching: bool = True
     prefix_min_tokens: int = knob(16, *POSITIVE)
+    # where the Gumbel noise of sampling comes from: "hash" (counter-based, fused into the sampling kernel) or
+    # "threefry" (jax.random: a [slots, vocab] draw every step); both are seeded per sequence
+    sampling_noise: str = knob("hash", *_one_of("hash", "threefry"))
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False

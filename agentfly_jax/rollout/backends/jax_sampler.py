@@ -155,23 +155,57 @@ def filter_top_k_top_p(scaled, top_k, top_p):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample_tokens(logits, cfg, count, *, filtered: bool):
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl increment between a row's counters
+
+
+def _mix32(x):
+    """A bijective avalanche mix of uint32 values (xor-shift-multiply rounds, MurmurHash3's finaliser)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seed, sample_index, step, vocab: int):
+    """Uniforms in (0, 1) [B, vocab], one per (row, token id), from counters: each row's key mixes its (seed,
+    sample index, step) [B]; element j is mix(key + (j + 1) * golden) (a Weyl sequence through an avalanche mix,
+    as SplitMix does), 24 bits. Elementwise integer work that XLA fuses into its consumer: no random state and
+    no [B, vocab] buffer of noise in memory, unlike a threefry draw per row."""
+    key = _mix32(_mix32(_mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x2545F491)) ^ sample_index.astype(jnp.uint32))
+                 + step.astype(jnp.uint32) * jnp.uint32(_GOLDEN))
+    counters = (jnp.arange(1, vocab + 1, dtype=jnp.uint32) * jnp.uint32(_GOLDEN))[None]
+    bits = _mix32(_mix32(key[:, None] + counters))
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+NOISES = ("hash", "threefry")
+
+
+def sample_tokens(logits, cfg, count, *, filtered: bool, noise: str = "hash"):
     """(tokens [B], logprobs [B]) for one decode step. logits [B, V]; cfg: per-slot sampling arrays; count [B]:
-    tokens each slot has sampled so far (the step index of its random stream)."""
+    tokens each slot has sampled so far (the step index of its random stream). noise: where the Gumbel noise's
+    uniforms come from, "hash" (`hash_uniform`, the default) or "threefry" (jax.random, one key per row and step:
+    a [B, V] draw each step)."""
     logits = logits.astype(jnp.float32)
     greedy = cfg["temperature"] <= 0
     scaled = logits / jnp.where(greedy, 1.0, cfg["temperature"])[:, None]  # [B, V]
-    logprobs = jax.nn.log_softmax(scaled, axis=-1)  # the trainer's distribution: before truncation
+    # the trainer's distribution, before truncation: log_softmax at the chosen token
+    log_norm = jax.nn.logsumexp(scaled, axis=-1)  # [B]
     candidates = filter_top_k_top_p(scaled, cfg["top_k"], cfg["top_p"]) if filtered else scaled
+    if noise == "hash":
+        gumbel = -jnp.log(-jnp.log(hash_uniform(cfg["seed"], cfg["sample_index"], count, scaled.shape[-1])))
+    elif noise == "threefry":
+        def draw(seed, sample_index, step):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), step)
+            return jax.random.gumbel(key, scaled.shape[-1:], jnp.float32)
 
-    def noise(seed, sample_index, step):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_index), step)
-        return jax.random.gumbel(key, scaled.shape[-1:], jnp.float32)
-
-    gumbel = jax.vmap(noise)(cfg["seed"], cfg["sample_index"], count)  # [B, V]
+        gumbel = jax.vmap(draw)(cfg["seed"], cfg["sample_index"], count)  # [B, V]
+    else:
+        raise ValueError(f"unknown sampling noise {noise!r}; expected one of {NOISES}")
     sampled = jnp.argmax(candidates + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    token_logprobs = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    token_logprobs = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - log_norm
     return tokens, token_logprobs
 
 
@@ -239,7 +273,7 @@ class JaxSampler(GenerationBackend):
                  max_len: int | None = None, steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
                  max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
                  cache_dtype=None, prefix_caching: bool = True, prefix_min_tokens: int = 16, seed: int = 0,
-                 device=None):
+                 sampling_noise: str = "hash", device=None):
         if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
             raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
                             f"{type(model).__name__}")
@@ -263,6 +297,9 @@ class JaxSampler(GenerationBackend):
         if prefix_min_tokens < 1:
             raise ValueError(f"JaxSampler needs prefix_min_tokens >= 1, got {prefix_min_tokens}")
         self.prefix_caching = bool(prefix_caching)
+        if sampling_noise not in NOISES:
+            raise ValueError(f"JaxSampler sampling_noise must be one of {NOISES}, got {sampling_noise!r}")
+        self.sampling_noise = sampling_noise
         self.prefix_min_tokens = int(prefix_min_tokens)
         self.device = device or jax.devices()[0]
         self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
@@ -342,7 +379,9 @@ class JaxSampler(GenerationBackend):
                 active = cfg["alive"] & ~st["done"]  # [B]
                 logits, cache = decode.decode_step(model, params, cache, st["tokens"], st["positions"],
                                                    kv_len=kv_len, rope_positions=st["positions"] + st["rope_offset"])
-                tokens, logprobs = sample_tokens(logits, cfg, st["count"], filtered=filtered)
+                with jax.named_scope("sampling"):
+                    tokens, logprobs = sample_tokens(logits, cfg, st["count"], filtered=filtered,
+                                                     noise=self.sampling_noise)
                 count = st["count"] + active.astype(jnp.int32)
                 stopped = jnp.any(cfg["stops"] == tokens[:, None], axis=-1)
                 done = st["done"] | (active & (stopped | (count >= cfg["budget"])))
