@@ -112,9 +112,11 @@ def run_jax(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from agentfly_jax.models import CausalLM, ModelConfig, init_params
+    from agentfly_jax.models import CausalLM, ModelConfig, decode, init_params
     from agentfly_jax.rollout.backends.jax_sampler import JaxSampler
 
+    if args.pallas:
+        decode.set_pallas_tuning(args.pallas)
     shape = SHAPES[args.shape]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     max_len = args.prompt_len + args.new_tokens + args.extra_tokens
@@ -128,7 +130,8 @@ def run_jax(args) -> list[dict]:
         prompts = _prompts(args, batch).tolist()
         # prefix caching off: every round repeats the same prompts, which it would serve from the previous round
         sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call,
-                             prefix_caching=False, sampling_noise=args.sampling_noise)
+                             prefix_caching=False, sampling_noise=args.sampling_noise,
+                             decode_attention=args.decode_attention)
         loop = asyncio.new_event_loop()
 
         def one_round(n, sampler=sampler, prompts=prompts, loop=loop):
@@ -142,6 +145,8 @@ def run_jax(args) -> list[dict]:
         loop.run_until_complete(sampler.close())
         loop.close()
         result = {"impl": "agentfly_jax.JaxSampler", "device": device.device_kind, "jax": jax.__version__,
+                  "decode_attention": sampler.decode_attention, "sampling_noise": sampler.sampling_noise,
+                  "pallas": args.pallas,
                   "steps_per_call": args.steps_per_call, "compiles": dict(sampler.compile_counts),
                   **_summary(args, batch, timing)}
         results.append(result)
@@ -169,9 +174,11 @@ def run_grpo(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from agentfly_jax.models import CausalLM, ModelConfig, init_params
+    from agentfly_jax.models import CausalLM, ModelConfig, decode, init_params
     from agentfly_jax.rollout.backends.jax_sampler import JaxSampler
 
+    if args.pallas:
+        decode.set_pallas_tuning(args.pallas)
     shape = SHAPES[args.shape]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     prompts, turns = _grpo_workload(args, shape["vocab_size"])
@@ -198,7 +205,8 @@ def run_grpo(args) -> list[dict]:
     results, outputs = [], {}
     for caching in (True, False):
         sampler = JaxSampler(model, params, max_slots=args.slots, max_len=max_len,
-                             steps_per_call=args.steps_per_call, prefix_caching=caching)
+                             steps_per_call=args.steps_per_call, prefix_caching=caching,
+                             sampling_noise=args.sampling_noise, decode_attention=args.decode_attention)
         loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
         loop.run_until_complete(one_round(sampler))  # warm-up: compiles
@@ -290,6 +298,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps-per-call", type=int, default=8, help="JaxSampler decode steps per jitted call")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sampling-noise", choices=["hash", "threefry"], default="hash", help="JaxSampler sampling_noise")
+    p.add_argument("--decode-attention", default="auto", help="JaxSampler decode_attention")
+    p.add_argument("--pallas", help="the Pallas decode kernel's 'splits,block_k,warps' (decode.set_pallas_tuning)")
     p.add_argument("--bandwidth", type=float, help="HBM bytes/s for the roofline (default: by device name)")
     p.add_argument("--impl", choices=["all", "jax", "torch"], default="all")
     p.add_argument("--mode", choices=["decode", "grpo"], default="decode",

@@ -54,19 +54,23 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
         name, op_name = m.groups()
         scope = next((s for s in SCOPES if re.search(rf"(^|/){s}(/|$)", op_name)), None)
         if scope:
-            scope_of[name] = scope
+            scope_of[_key(name)] = scope
             if current:
                 votes[current][scope] += 1
     for line in hlo_text.splitlines():  # fusions and calls: the scope of the computation they call
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?calls=%?([\w.\-]+)", line)
-        if m and m.group(1) not in scope_of and votes.get(m.group(2)):
-            scope_of[m.group(1)] = votes[m.group(2)].most_common(1)[0][0]
+        if m and _key(m.group(1)) not in scope_of and votes.get(m.group(2)):
+            scope_of[_key(m.group(1))] = votes[m.group(2)].most_common(1)[0][0]
     return scope_of
 
 
+def _key(name: str) -> str:  # a GPU kernel is named after its HLO instruction with "." as "_"
+    return name.replace(".", "_")
+
+
 def kind_of(name: str, scopes: dict[str, str] | None = None) -> str:
-    if scopes and name in scopes:
-        return scopes[name]
+    if scopes and _key(name) in scopes:
+        return scopes[_key(name)]
     low = name.lower()
     for kind, pattern in KINDS:
         if re.search(pattern, low):
@@ -127,7 +131,8 @@ def profile_batch(args, model, params, batch: int) -> dict:
 
     max_len = args.context + args.steps * (args.calls + 2) + 1
     sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps,
-                         prefix_caching=False, sampling_noise=args.noise)
+                         prefix_caching=False, sampling_noise=args.noise,
+                         decode_attention=args.attention)
     cfg = sampler._cfg
     cfg["temperature"][:] = 1.0
     cfg["budget"][:] = max_len
@@ -172,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=8, help="decode calls profiled")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--noise", choices=["hash", "threefry"], default="hash", help="JaxSampler sampling_noise")
+    p.add_argument("--attention", default="auto", help="JaxSampler decode_attention")
+    p.add_argument("--pallas", help="the Pallas decode kernel's 'splits,block_k,warps' (decode.set_pallas_tuning)")
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--keep-trace", help="write the raw traces under this directory")
     p.add_argument("--out", help="append the JSON lines to this file")
@@ -182,6 +189,10 @@ def main(argv=None) -> int:
 
     from agentfly_jax.models import CausalLM, ModelConfig, init_params
 
+    from agentfly_jax.models import decode
+
+    if args.pallas:
+        decode.set_pallas_tuning(args.pallas)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     config = ModelConfig(**SHAPES[args.shape], qkv_bias=True, family="qwen2", dtype=dtype, param_dtype=dtype,
                          max_position_embeddings=4096)
@@ -189,7 +200,7 @@ def main(argv=None) -> int:
     params = init_params(model, jax.random.PRNGKey(0))
     for batch in args.batches:
         row = {"shape": args.shape, "dtype": args.dtype, "device": jax.devices()[0].device_kind,
-               "noise": args.noise, **profile_batch(args, model, params, batch)}
+               "noise": args.noise, "attention": args.attention, "pallas": args.pallas, **profile_batch(args, model, params, batch)}
         line = json.dumps(row)
         print(line, flush=True)
         if args.out:

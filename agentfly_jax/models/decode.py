@@ -1,7 +1,8 @@
 """Incremental decoding with a preallocated KV cache, for samplers: pure functions on the CausalLM param tree.
 
 The layers are the training model's own modules (`RMSNorm`, `HeadProjection`, `OutProjection`, `MLP`,
-`apply_rope`, `dot_product_attention`) applied to the same params, so a token's logits equal those of
+`apply_rope`; attention is the model's einsum path written for the cache's layout) applied to the same params,
+so a token's logits equal those of
 `CausalLM.apply` on the whole sequence up to float rounding; only where keys and values come from differs.
 
 Qwen2.5-VL (`Qwen2_5_VLCausalLM`, whose params hold the same decoder tree under "model") decodes with the same
@@ -11,10 +12,17 @@ index plus a per-row offset (the prompt's largest position + 1 - its length; 0 f
 axes, which is the ordinary rotation (`rope_positions`). A cache index and a rotary position are kept apart
 for that reason: the first says where a key lives and what a query may see, the second how it is rotated.
 
-Cache: {"k": [L, B, S, K, D], "v": [L, B, S, K, D]}, L layers, B rows (sampler slots), S max length, K kv heads,
-D head dim. A row's entry at position p holds the key/value of the token at position p. Entries beyond what a
-row has written are stale (earlier occupants, padding) and masked out: a query at position p attends to keys at
-positions <= p only, and `extend` writes a token's key/value before any query can attend to it.
+Cache: {"k": (L buffers [B, K, S, D]), "v": (the same)}: one buffer per layer (a layer's keys are a whole buffer,
+never a slice of a bigger one, so a kernel reads them in place), B rows (sampler slots), K kv heads, S max length,
+D head dim; each kv head's keys are contiguous. A row's entry at position p holds the key/value of the token at
+position p. Entries beyond what a row has written are stale (earlier occupants, padding) and masked out: a query
+at position p attends to keys at positions <= p only, and `extend` writes a token's key/value before any query
+can attend to it.
+
+Attention over the cache (`attention=`): "xla" (einsum over the first kv_len positions, fp32 softmax: every
+platform) or "pallas" (decode steps only, T = 1: jax's Pallas GPU decode-attention kernel, split over the
+sequence, reading each row's keys up to its own length and nothing past it; "pallas_interpret" runs the same
+kernel through the Pallas interpreter, for CPU tests). Prompt passes always take the einsum path.
 """
 from __future__ import annotations
 
@@ -30,22 +38,91 @@ from agentfly_jax.models.transformer import (
     OutProjection,
     RMSNorm,
     apply_rope,
-    dot_product_attention,
     rope_inv_freq,
 )
 
 
+ATTENTIONS = ("xla", "pallas", "pallas_interpret")
+# The Pallas decode kernel's tuning: splits of the sequence (where the cache length allows), keys per block and
+# warps per program (None: the kernel's default). Benchmarks set them (scripts/bench_decode_attention.py).
+PALLAS_SPLITS = 16
+PALLAS_BLOCK_K = 128
+PALLAS_WARPS = None
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    """A zero KV cache {"k", "v"}: [layers, batch, max_len, kv_heads, head_dim] in `dtype` (default: compute)."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.resolved_head_dim)
+    """A zero KV cache {"k", "v"}: per layer a [batch, kv_heads, max_len, head_dim] buffer in `dtype` (default:
+    the compute dtype)."""
+    shape = (batch, config.num_kv_heads, max_len, config.resolved_head_dim)
     dtype = dtype or config.dtype
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return {name: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)) for name in ("k", "v")}
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=None) -> int:
     """Bytes of `init_cache(config, batch, max_len, dtype)`."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
     return 2 * config.num_layers * batch * max_len * config.num_kv_heads * config.resolved_head_dim * itemsize
+
+
+def set_pallas_tuning(spec: str) -> None:
+    """Sets PALLAS_SPLITS, PALLAS_BLOCK_K and PALLAS_WARPS from "splits,block_k,warps" (warps 0: the kernel's
+    default), powers of two; programs traced afterwards use them (benchmarks' --pallas)."""
+    global PALLAS_SPLITS, PALLAS_BLOCK_K, PALLAS_WARPS
+    try:
+        splits, block_k, warps = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise ValueError(f"Pallas tuning {spec!r} is not 'splits,block_k,warps' (three integers)") from None
+    if any(v < 0 or v & (v - 1) for v in (splits, block_k, warps)) or not splits or block_k < 16:
+        raise ValueError(f"Pallas tuning {spec!r}: splits and block_k (>= 16) must be powers of two, warps 0 or one")
+    PALLAS_SPLITS, PALLAS_BLOCK_K, PALLAS_WARPS = splits, block_k, warps or None
+
+
+def pallas_cache_length(max_len: int) -> int:
+    """The cache length the Pallas decode kernel takes for rows of up to `max_len` positions: a multiple of 256
+    (`_pallas_splits` then cuts it into power-of-two pieces of at least 16 positions, or pieces of 256)."""
+    return 256 * -(-max(max_len, 1) // 256)
+
+
+def _pallas_splits(length: int) -> int:
+    """Sequence splits of the Pallas decode kernel over a cache of `length` (a multiple of 256) positions:
+    PALLAS_SPLITS when 256 * a power of two (power-of-two pieces of at least 16 positions), else one per 256
+    positions."""
+    if length % 256:
+        raise ValueError(f"the Pallas decode attention needs a cache length that is a multiple of 256, got {length} "
+                         "(decode.pallas_cache_length)")
+    m = length // 256
+    return min(PALLAS_SPLITS, 16 * m) if m & (m - 1) == 0 else m
+
+
+def cache_length(cache: dict) -> int:
+    """Positions per row of `cache`."""
+    return cache["k"][0].shape[2]
+
+
+def _attend(q, keys, values, mask):
+    """Grouped-query attention against head-major keys: q [B, T, H, D], keys/values [B, K, S, D], mask [B, T, S]
+    -> [B, T, H, D]; scores and softmax in fp32 (as the model's einsum path)."""
+    b, t, h, d = q.shape
+    k_heads = keys.shape[1]
+    q = q.reshape(b, t, k_heads, h // k_heads, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, values).reshape(b, t, h, d)
+
+
+def _attend_pallas(q, keys, values, lengths, interpret: bool):
+    """One query per row against its first `lengths` [B] keys: q [B, H, D], keys/values [B, K, S, D] (a whole
+    layer buffer, read in place) -> [B, H, D], with jax's Pallas GPU decode-attention kernel."""
+    from jax.experimental.pallas.ops.gpu.decode_attention import mqa
+
+    b, h, d = q.shape
+    k_heads, s = keys.shape[1], keys.shape[2]
+    splits = _pallas_splits(s)
+    out = mqa(q.reshape(b * k_heads, h // k_heads, d), keys.reshape(b * k_heads, s, d),
+              values.reshape(b * k_heads, s, d), kv_seq_len=jnp.repeat(lengths, k_heads), k_splits=splits,
+              block_k=min(PALLAS_BLOCK_K, s // splits), num_warps=PALLAS_WARPS, interpret=interpret)
+    return out.reshape(b, h, d)
 
 
 def _norm(c: ModelConfig, params, x):
@@ -58,7 +135,7 @@ def _heads(c: ModelConfig, params, x, num_heads: int, head_axis: str):
 
 
 def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,
-           rope_positions=None, embeddings=None, cache_rows=None):
+           rope_positions=None, embeddings=None, cache_rows=None, attention: str = "xla"):
     """Runs `tokens` [B, T] at `positions` [B, T] against `cache`; returns (hidden [B, T, E], new cache).
 
     Each token's key/value is written into its row of the cache at its position, then every query attends to
@@ -73,9 +150,14 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
       that continues rows of a sampler's cache already holding a prefix (positions start past it; the queries
       attend to the prefix's keys as well). Rows must be distinct, except padding rows: they give positions
       >= the cache length, so they write nothing.
+    attention: "xla", or "pallas" / "pallas_interpret" for a decode step (T = 1, no cache_rows; see the module
+      docstring); a prompt pass always takes "xla".
     """
     c = model.config
-    kv_len = cache["k"].shape[2] if kv_len is None else kv_len
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown decode attention {attention!r}; expected one of {ATTENTIONS}")
+    kv_len = cache_length(cache) if kv_len is None else kv_len
+    fused = attention != "xla" and positions.shape[1] == 1 and cache_rows is None
     b = positions.shape[0]
     decoder = params["model"]
     if embeddings is None:
@@ -91,7 +173,7 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
     rows = (jnp.arange(b) if cache_rows is None else cache_rows)[:, None]  # [B, 1]
     key_positions = jnp.arange(kv_len)
     mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
-    cache_k, cache_v = cache["k"], cache["v"]
+    cache_k, cache_v = list(cache["k"]), list(cache["v"])
     for i in range(c.num_layers):
         layer = decoder[f"layers_{i}"]
         attn = layer["self_attn"]
@@ -102,23 +184,27 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
             q = apply_rope(q, rope_positions, inv_freq, mrope_section)
             k = apply_rope(k, rope_positions, inv_freq, mrope_section)
             v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads")
-        with jax.named_scope("cache_write"):
-            cache_k = cache_k.at[i, rows, positions].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[i, rows, positions].set(v.astype(cache_v.dtype), mode="drop")
+        with jax.named_scope("cache_write"):  # [B, T] indices around the kv-head axis: values [B, T, K, D]
+            cache_k[i] = cache_k[i].at[rows, :, positions].set(k.astype(cache_k[i].dtype), mode="drop")
+            cache_v[i] = cache_v[i].at[rows, :, positions].set(v.astype(cache_v[i].dtype), mode="drop")
         with jax.named_scope("attention"):
-            if cache_rows is None:
-                keys = cache_k[i, :, :kv_len].astype(c.dtype)  # [B, kv_len, K, D]
-                values = cache_v[i, :, :kv_len].astype(c.dtype)
+            if fused:
+                out = _attend_pallas(q[:, 0], cache_k[i].astype(c.dtype), cache_v[i].astype(c.dtype),
+                                     positions[:, 0] + 1, attention == "pallas_interpret")[:, None]
             else:
-                keys = cache_k[i, cache_rows, :kv_len].astype(c.dtype)
-                values = cache_v[i, cache_rows, :kv_len].astype(c.dtype)
-            out = dot_product_attention(q, keys, values, mask, "xla")  # [B, T, H, D]
+                if cache_rows is None:
+                    keys = cache_k[i][:, :, :kv_len].astype(c.dtype)  # [B, K, kv_len, D]
+                    values = cache_v[i][:, :, :kv_len].astype(c.dtype)
+                else:
+                    keys = cache_k[i][cache_rows, :, :kv_len].astype(c.dtype)
+                    values = cache_v[i][cache_rows, :, :kv_len].astype(c.dtype)
+                out = _attend(q, keys, values, mask)  # [B, T, H, D]
         with jax.named_scope("o_proj"):
             x = x + OutProjection(c.hidden_size, c.dtype, c.param_dtype).apply({"params": attn["o_proj"]}, out)
         with jax.named_scope("mlp"):
             x = x + MLP(c).apply({"params": layer["mlp"]}, _norm(c, layer["post_attention_layernorm"], x))
     hidden = _norm(c, decoder["norm"], x)
-    return hidden, {"k": cache_k, "v": cache_v}
+    return hidden, {"k": tuple(cache_k), "v": tuple(cache_v)}
 
 
 def logits(model: CausalLM, params, hidden):
@@ -148,12 +234,13 @@ def prefill(model: CausalLM, params, tokens, *, cache_dtype=None, rope_positions
 
 
 def decode_step(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,
-                rope_positions=None):
+                rope_positions=None, attention: str = "xla"):
     """One token per row: tokens [B], positions [B] (cache indices) -> (logits [B, V], new cache).
-    rope_positions [B]: the rotary position of each row's token (default its cache index)."""
+    rope_positions [B]: the rotary position of each row's token (default its cache index). attention: see
+    `extend` ("pallas" reads each row's keys up to its position, whatever kv_len)."""
     rope = None if rope_positions is None else rope_positions[:, None]
     hidden, cache = extend(model, params, cache, tokens[:, None], positions[:, None], kv_len=kv_len,
-                           rope_positions=rope)
+                           rope_positions=rope, attention=attention)
     with jax.named_scope("lm_head"):
         return logits(model, params, hidden[:, 0]), cache
 
@@ -172,14 +259,15 @@ def prefill_rows(model: CausalLM, params, cache: dict, tokens, rows, starts, *, 
 def copy_row(cache: dict, src, dst) -> dict:
     """Copies row `src` of `cache` (every layer and position) into row `dst`."""
     def put(buf):
-        return jax.lax.dynamic_update_slice_in_dim(buf, jax.lax.dynamic_slice_in_dim(buf, src, 1, axis=1), dst,
-                                                   axis=1)
-    return {name: put(buf) for name, buf in cache.items()}
+        return jax.lax.dynamic_update_slice_in_dim(buf, jax.lax.dynamic_slice_in_dim(buf, src, 1, axis=0), dst,
+                                                   axis=0)
+    return {name: tuple(put(buf) for buf in bufs) for name, bufs in cache.items()}
 
 
 def copy_into(cache: dict, prompt_cache: dict, row, slot):
-    """Copies row `row` of a prefill cache [L, P, T, K, D] into row `slot` of `cache` (positions 0..T-1)."""
+    """Copies row `row` of a prefill cache (per layer [P, K, T, D]) into row `slot` of `cache` (positions
+    0..T-1)."""
     def put(dst, src):
-        piece = jax.lax.dynamic_index_in_dim(src, row, axis=1, keepdims=True).astype(dst.dtype)  # [L, 1, T, K, D]
-        return jax.lax.dynamic_update_slice(dst, piece, (0, slot, 0, 0, 0))
-    return {"k": put(cache["k"], prompt_cache["k"]), "v": put(cache["v"], prompt_cache["v"])}
+        piece = jax.lax.dynamic_index_in_dim(src, row, axis=0, keepdims=True).astype(dst.dtype)  # [1, K, T, D]
+        return jax.lax.dynamic_update_slice(dst, piece, (slot, 0, 0, 0))
+    return {name: tuple(put(d, s) for d, s in zip(cache[name], prompt_cache[name])) for name in ("k", "v")}

@@ -188,6 +188,9 @@ class JaxSamplerSection:
     # where the Gumbel noise of sampling comes from: "hash" (counter-based, fused into the sampling kernel) or
     # "threefry" (jax.random: a [slots, vocab] draw every step); both are seeded per sequence
     sampling_noise: str = knob("hash", *_one_of("hash", "threefry"))
+    # attention of decode steps over the KV cache: "auto" (jax's Pallas decode kernel on a GPU, reading each slot's
+    # keys up to its length; the einsum elsewhere), "xla", "pallas", "pallas_interpret" (CPU tests)
+    decode_attention: str = knob("auto", *_one_of("auto", "xla", "pallas", "pallas_interpret"))
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False

@@ -266,6 +266,13 @@ class JaxSampler(GenerationBackend):
       prefix_min_tokens: the shortest shared prefix worth reusing (a prompt shorter than this reuses only a full
         match).
       seed: seeds requests that give none (each then gets a fresh draw from this generator).
+      sampling_noise: "hash" (counter-based Gumbel noise, fused into the sampling kernel) or "threefry"
+        (jax.random, a [slots, vocab] draw every step); both seeded per sequence and token.
+      decode_attention: attention of decode steps over the KV cache: "auto" (the Pallas kernel on a GPU, else
+        the einsum), "xla" (einsum over the attention-window bucket), "pallas" (jax's Pallas GPU decode kernel,
+        reading each slot's keys up to its own length; the cache is then a multiple of 256 positions long, one
+        decode program per steps/filter pair instead of one per window bucket) or "pallas_interpret" (the same
+        kernel interpreted: CPU tests). Prompt passes always use the einsum.
       device: the jax device to run on (default: the first).
     """
 
@@ -273,7 +280,7 @@ class JaxSampler(GenerationBackend):
                  max_len: int | None = None, steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
                  max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
                  cache_dtype=None, prefix_caching: bool = True, prefix_min_tokens: int = 16, seed: int = 0,
-                 sampling_noise: str = "hash", device=None):
+                 sampling_noise: str = "hash", decode_attention: str = "auto", device=None):
         if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
             raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
                             f"{type(model).__name__}")
@@ -300,6 +307,12 @@ class JaxSampler(GenerationBackend):
         if sampling_noise not in NOISES:
             raise ValueError(f"JaxSampler sampling_noise must be one of {NOISES}, got {sampling_noise!r}")
         self.sampling_noise = sampling_noise
+        if decode_attention == "auto":
+            decode_attention = "pallas" if (device or jax.devices()[0]).platform == "gpu" else "xla"
+        if decode_attention not in decode.ATTENTIONS:
+            raise ValueError(f"JaxSampler decode_attention must be 'auto' or one of {decode.ATTENTIONS}, got "
+                             f"{decode_attention!r}")
+        self.decode_attention = decode_attention
         self.prefix_min_tokens = int(prefix_min_tokens)
         self.device = device or jax.devices()[0]
         self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
@@ -315,7 +328,10 @@ class JaxSampler(GenerationBackend):
 
         b = self.max_slots
         with jax.default_device(self.device):
-            self._cache = decode.init_cache(config, b, self.max_len, cache_dtype)
+            # the Pallas kernel takes whole splits of the sequence: positions past max_len are never used
+            self._cache_len = (self.max_len if decode_attention == "xla" else
+                               decode.pallas_cache_length(self.max_len))
+            self._cache = decode.init_cache(config, b, self._cache_len, cache_dtype)
             # positions: cache index of each slot's next token; rope_offset: its rotary position minus that
             self._state = {"tokens": jnp.zeros(b, jnp.int32), "positions": jnp.zeros(b, jnp.int32),
                            "rope_offset": jnp.zeros(b, jnp.int32), "count": jnp.zeros(b, jnp.int32),
@@ -357,7 +373,7 @@ class JaxSampler(GenerationBackend):
         def prefill_images(params, tokens, rope_positions, pixel_values, layout):
             # tokens [P, T], rope_positions [3, P, T], pixel_values [N, patch_dim], layout: VisionLayout over N
             counts["prefill_images"] += 1
-            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype,
+            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"][0].dtype,
                                              rope_positions=rope_positions, pixel_values=pixel_values,
                                              vision_layout=layout)
             return prompt_cache
@@ -378,7 +394,8 @@ class JaxSampler(GenerationBackend):
                 cache, st = carry
                 active = cfg["alive"] & ~st["done"]  # [B]
                 logits, cache = decode.decode_step(model, params, cache, st["tokens"], st["positions"],
-                                                   kv_len=kv_len, rope_positions=st["positions"] + st["rope_offset"])
+                                                   kv_len=kv_len, rope_positions=st["positions"] + st["rope_offset"],
+                                                   attention=self.decode_attention)
                 with jax.named_scope("sampling"):
                     tokens, logprobs = sample_tokens(logits, cfg, st["count"], filtered=filtered,
                                                      noise=self.sampling_noise)
@@ -399,7 +416,7 @@ class JaxSampler(GenerationBackend):
 
         def prefill_fresh(params, tokens):  # tokens [P, T]; text prompts without prefix caching
             counts["prefill"] += 1
-            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"].dtype)
+            _, prompt_cache = decode.prefill(model, params, tokens, cache_dtype=self._cache["k"][0].dtype)
             return prompt_cache
 
         def start(cache, state, src, dst, copies, slots, last_token, position, rope_offset):
@@ -848,7 +865,7 @@ class JaxSampler(GenerationBackend):
                 chunk = items[first:first + rows]
                 tokens = np.zeros((rows, length), np.int32)
                 slots = np.zeros(rows, np.int32)
-                starts = np.full(rows, self.max_len, np.int32)  # padding rows write nothing
+                starts = np.full(rows, self._cache_len, np.int32)  # padding rows write nothing
                 for r, (slot, suffix, start) in enumerate(chunk):
                     tokens[r, :len(suffix)] = suffix
                     slots[r], starts[r] = slot, start
@@ -931,7 +948,8 @@ class JaxSampler(GenerationBackend):
         alive = self._cfg["alive"]
         steps = self.steps_per_call
         need = int(self._pos_bound[alive].max()) + steps  # every position this call may touch is < need
-        kv_len = _bucket(self.buckets, min(need, self.max_len))
+        # the Pallas kernel reads each slot's keys up to its length whatever the window: one program for all
+        kv_len = self.max_len if self.decode_attention != "xla" else _bucket(self.buckets, min(need, self.max_len))
         filtered = bool(((self._cfg["top_p"] < 1.0) | (self._cfg["top_k"] > 0))[alive].any())
         if self._cfg_device is None:
             self._cfg_device = jax.device_put(self._cfg, self.device)

@@ -1,0 +1,102 @@
+"""JaxSampler's decode kernels: the Pallas decode attention (run by the Pallas interpreter on this CPU) against the
+einsum path, and the counter-based Gumbel noise against the uniform distribution and jax.random's."""
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentfly_jax.models import decode
+from agentfly_jax.rollout.backends import JaxSampler
+from agentfly_jax.rollout.backends.jax_sampler import hash_uniform, sample_tokens
+
+VOCAB = 1024
+
+
+def conversation_prompts(seed, count, lo, hi):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, int(rng.integers(lo, hi))).tolist() for _ in range(count)]
+
+
+async def two_turns(sampler, prompt, seed, temperature):
+    """A chain of two turns, the second continuing the first (prefix caching serves it), as the runtime sends."""
+    first = (await sampler.generate(prompt, max_tokens=12, temperature=temperature, seed=seed))[0]
+    follow = prompt + first.token_ids + [7, 8, 9]
+    second = (await sampler.generate(follow, max_tokens=12, temperature=temperature, seed=seed + 1))[0]
+    return first, second
+
+
+@pytest.mark.parametrize("max_len", [200, 700])
+def test_pallas_decode_attention_equals_the_einsum_path(tiny_model, max_len):
+    """Greedy and seeded T=1 chains of 5 slots (prompts 3..150 tokens, two turns, prefix caching): the Pallas
+    kernel (cache rounded to 256 / 768 positions: 16 and 3 sequence splits) gives the einsum path's tokens and
+    logprobs within 1e-5 (fp32)."""
+    model, params = tiny_model
+    prompts = conversation_prompts(max_len, 5, 3, 150)
+    outputs = {}
+    for attention in ("xla", "pallas_interpret"):
+        sampler = JaxSampler(model, params, max_slots=4, max_len=max_len, steps_per_call=4,
+                             decode_attention=attention)
+        assert sampler._cache_len == (max_len if attention == "xla" else decode.pallas_cache_length(max_len))
+
+        async def run(sampler=sampler):
+            async with sampler:
+                return await asyncio.gather(*[two_turns(sampler, p, 10 * i, temperature=0.0 if i % 2 else 1.0)
+                                              for i, p in enumerate(prompts)])
+        outputs[attention] = asyncio.run(run())
+        if attention != "xla":
+            assert sampler.compile_counts["decode"] == 1  # one window for every length
+    for ref_chain, chain in zip(outputs["xla"], outputs["pallas_interpret"]):
+        for ref, got in zip(ref_chain, chain):
+            assert got.token_ids == ref.token_ids
+            np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+def test_pallas_cache_length_and_errors(tiny_model):
+    assert [decode.pallas_cache_length(n) for n in (1, 256, 257, 2048, 2049)] == [256, 256, 512, 2048, 2304]
+    assert [decode._pallas_splits(n) for n in (256, 512, 768, 4096, 4352)] == [16, 16, 3, 16, 17]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        decode._pallas_splits(300)
+    with pytest.raises(ValueError, match="decode_attention"):
+        JaxSampler(*tiny_model, decode_attention="flash")
+    with pytest.raises(ValueError, match="sampling_noise"):
+        JaxSampler(*tiny_model, sampling_noise="philox")
+
+
+def test_hash_uniforms_are_uniform_and_independent():
+    """256 rows (2 seeds x 2 sample indices x 64 steps) x 4096 ids: the uniforms pass a Kolmogorov-Smirnov bound;
+    neighbouring ids of a row, and every pair of rows (differing in seed, sample index or step), are
+    uncorrelated."""
+    rows = 256
+    seed = jnp.asarray(np.repeat([3, 4], rows // 2), jnp.uint32)
+    sample = jnp.asarray(np.tile([0, 1], rows // 2), jnp.int32)
+    step = jnp.asarray(np.arange(rows) // 2 % 64, jnp.int32)
+    u = np.asarray(hash_uniform(seed, sample, step, 4096), np.float64)
+    assert u.min() > 0 and u.max() < 1
+    flat = np.sort(u.ravel())
+    ks = np.max(np.abs(flat - (np.arange(flat.size) + 0.5) / flat.size))
+    assert ks < 1.63 / np.sqrt(flat.size)  # the 1% critical value
+    centred = (u - 0.5) / np.sqrt(1 / 12)
+    sigma = 1 / np.sqrt(4096)  # of one correlation estimate
+    assert abs(np.mean(centred[:, 1:] * centred[:, :-1])) < 4 * sigma / np.sqrt(rows)
+    corr = centred @ centred.T / 4096
+    assert np.max(np.abs(corr[~np.eye(rows, dtype=bool)])) < 5.5 * sigma  # 32,640 pairs
+
+
+def test_hash_noise_samples_the_tempered_distribution():
+    """20,000 draws (one slot, 20,000 steps of its stream) from a 6-token distribution with a tiny and a dominant
+    token, at T=0.5: frequencies within 4 sigma; logprobs are log_softmax at the token, as with threefry."""
+    logits = jnp.asarray([[2.0, 0.0, -1.0, 1.5, -6.0, 0.5]], jnp.float32)
+    steps = 20_000
+    cfg = {"temperature": jnp.full(steps, 0.5), "top_k": jnp.zeros(steps, jnp.int32), "top_p": jnp.ones(steps),
+           "seed": jnp.full(steps, 11, jnp.uint32), "sample_index": jnp.zeros(steps, jnp.int32)}
+    batch = jnp.repeat(logits, steps, axis=0)
+    probs = np.asarray(jax.nn.softmax(logits[0] / 0.5), np.float64)
+    for noise in ("hash", "threefry"):
+        tokens, logprobs = jax.jit(lambda b, c, n, noise=noise: sample_tokens(b, c, n, filtered=False, noise=noise))(
+            batch, cfg, jnp.arange(steps, dtype=jnp.int32))
+        counts = np.bincount(np.asarray(tokens), minlength=6)
+        sigma = np.sqrt(steps * probs * (1 - probs))
+        assert np.all(np.abs(counts - steps * probs) <= 4 * sigma + 1), (noise, counts, steps * probs)
+        np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[np.asarray(tokens)]), atol=1e-5)
