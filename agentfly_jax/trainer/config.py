@@ -188,6 +188,10 @@ class JaxSamplerSection:
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False
+    # the sampler split over this many of the process's devices (tensor parallel: heads, MLP, vocab and the KV
+    # cache's kv heads; docs/generation.md): the first ones, shared with the training mesh, or with
+    # separate_device=True the last ones, the training mesh on the others (>= tensor_parallel + 1 devices)
+    tensor_parallel: int = knob(1, *POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,6 +498,10 @@ class TrainConfig:
         if self.jax_sampler.separate_device and self.backend != "jax":
             raise ConfigError("config.jax_sampler.separate_device=True is for the JAX sampler: with "
                               f"config.backend={self.backend!r} generation runs on the servers; unset it")
+        if self.jax_sampler.tensor_parallel > 1 and self.backend != "jax":
+            raise ConfigError(f"config.jax_sampler.tensor_parallel={self.jax_sampler.tensor_parallel} is for the JAX "
+                              f"sampler: with config.backend={self.backend!r} generation runs on the servers (their "
+                              "own --tensor-parallel-size in config.vllm.server_args); set it to 1")
         if self.rl.partial_rollouts and not self.rl.max_staleness:
             raise ConfigError("config.rl.partial_rollouts=True has no effect with config.rl.max_staleness=0 (the "
                               "synchronous loop syncs weights when no sequence is in flight): set max_staleness "
