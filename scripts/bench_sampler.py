@@ -4,6 +4,8 @@ roofline.
     python scripts/bench_sampler.py                    # Qwen2.5-0.5B shape, bf16, batch 64 and 256 (GPU)
     python scripts/bench_sampler.py --shape tiny --batches 2 4 --prompt-len 8 --new-tokens 16 --extra-tokens 16
                                                        # the short CPU version CI runs
+    python scripts/bench_sampler.py --shape qwen2.5-7b --tensor-parallel 1 2
+                                                       # ours on one GPU, then tensor-parallel on two
 
 Both sides get random weights of the same shape (bf16), the same batch of random prompts (`--prompt-len`
 tokens each) and sample with temperature 1 (no top-p/top-k, no stop tokens) until every sequence has its
@@ -23,6 +25,10 @@ A warm-up round compiles the programs; then `--repeats` measured rounds, each af
 params) that drops what the round before cached, report the median wall time, and the last round the prompt tokens the admitted sequences needed, those a prompt pass actually computed, prefix hits,
 and whether the completions equal those of the other setting (seeded sampling: they do unless a near-tie of the
 two computations' rounding flips a draw).
+
+--tensor-parallel N [M ...]: our side runs once per value, the JaxSampler split over that many local devices
+(`JaxSampler(tensor_parallel=N)`: heads, MLP and vocab split, the KV cache over kv heads); the roofline then counts
+the HBM bandwidth of all N devices (each reads its share of the weights and the cache). The peer runs on one.
 
 Each side runs every batch size twice after a warm-up, with N = --new-tokens and N + --extra-tokens new tokens;
   e2e tok/s    = batch * N_long / wall(N_long)                 (prompt pass included)
@@ -56,15 +62,18 @@ def param_count(shape: dict) -> int:
     return v * h * (1 if shape["tie_word_embeddings"] else 2) + layers * per_layer + h
 
 
-def roofline(shape: dict, batch: int, mean_context: float, bytes_per_value: int, bandwidth: float | None) -> dict:
-    """Bytes one decode step must move from HBM and the implied best step time and tokens/s."""
+def roofline(shape: dict, batch: int, mean_context: float, bytes_per_value: int, bandwidth: float | None,
+             devices: int = 1) -> dict:
+    """Bytes one decode step must move from HBM and the implied best step time and tokens/s (on `devices`
+    devices of `bandwidth` each, splitting the bytes evenly: tensor parallel)."""
     d = shape["hidden_size"] // shape["num_heads"]
     kv_per_token = 2 * shape["num_layers"] * shape["num_kv_heads"] * d * bytes_per_value
     weight_bytes = param_count(shape) * bytes_per_value  # the tied embedding is read once, as the lm_head
     kv_bytes = batch * mean_context * kv_per_token
-    out = {"weight_bytes": weight_bytes, "kv_bytes_per_step": int(kv_bytes), "bandwidth": bandwidth}
+    out = {"weight_bytes": weight_bytes, "kv_bytes_per_step": int(kv_bytes), "bandwidth": bandwidth,
+           "devices": devices}
     if bandwidth:
-        step_s = (weight_bytes + kv_bytes) / bandwidth
+        step_s = (weight_bytes + kv_bytes) / (bandwidth * devices)
         out.update(step_ms=round(1e3 * step_s, 4), tokens_per_s=round(batch / step_s, 1))
     return out
 
@@ -126,12 +135,12 @@ def run_jax(args) -> list[dict]:
     params = init_params(model, jax.random.PRNGKey(0))
     device = jax.devices()[0]
     results = []
-    for batch in args.batches:
+    for batch, tensor_parallel in [(b, tp) for b in args.batches for tp in args.tensor_parallel]:
         prompts = _prompts(args, batch).tolist()
         # prefix caching off: every round repeats the same prompts, which it would serve from the previous round
         sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call,
                              prefix_caching=False, sampling_noise=args.sampling_noise,
-                             decode_attention=args.decode_attention)
+                             decode_attention=args.decode_attention, tensor_parallel=tensor_parallel)
         loop = asyncio.new_event_loop()
 
         def one_round(n, sampler=sampler, prompts=prompts, loop=loop):
@@ -146,7 +155,8 @@ def run_jax(args) -> list[dict]:
         loop.close()
         result = {"impl": "agentfly_jax.JaxSampler", "device": device.device_kind, "jax": jax.__version__,
                   "decode_attention": sampler.decode_attention, "sampling_noise": sampler.sampling_noise,
-                  "pallas": args.pallas,
+                  "pallas": args.pallas, "tensor_parallel": tensor_parallel,
+                  "cache_sharding": str(sampler._cache["k"][0].sharding.spec if sampler.mesh is not None else None),
                   "steps_per_call": args.steps_per_call, "compiles": dict(sampler.compile_counts),
                   **_summary(args, batch, timing)}
         results.append(result)
@@ -310,8 +320,12 @@ def main(argv=None) -> int:
     p.add_argument("--obs-len", type=int, default=64, help="grpo: longest observation between turns")
     p.add_argument("--slots", type=int, default=256, help="grpo: JaxSampler max_slots")
     p.add_argument("--seed", type=int, default=0, help="grpo: the workload's random lengths and ids")
+    p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1],
+                   help="our side once per value, on that many local devices (JaxSampler(tensor_parallel=N))")
     p.add_argument("--out", help="append the JSON results to this file")
     args = p.parse_args(argv)
+    if min(args.tensor_parallel) < 1 or (args.mode == "grpo" and args.tensor_parallel != [1]):
+        p.error("--tensor-parallel takes values >= 1, and the decode mode only")
 
     if args.mode == "grpo":
         results = run_grpo(args)
@@ -341,17 +355,19 @@ def main(argv=None) -> int:
                "--impl", impl]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or len(lines) != len(args.batches):
+        runs = len(args.batches) * (len(args.tensor_parallel) if impl == "jax" else 1)
+        if proc.returncode != 0 or len(lines) != runs:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
             raise SystemExit(f"benchmark side {impl!r} failed (exit {proc.returncode})")
         sides[impl] = [json.loads(ln[len("RESULT "):]) for ln in lines]
 
     shape = SHAPES[args.shape]
     bytes_per_value = 2 if args.dtype == "bfloat16" else 4
-    for ours, peer in zip(sides["jax"], sides["torch"]):
-        batch = ours["batch"]
+    peers = {peer["batch"]: peer for peer in sides["torch"]}
+    for ours in sides["jax"]:
+        batch, peer, tp = ours["batch"], peers[ours["batch"]], ours["tensor_parallel"]
         mean_context = args.prompt_len + args.new_tokens + args.extra_tokens / 2  # over the decode-only steps
-        roof = roofline(shape, batch, mean_context, bytes_per_value, _bandwidth(ours["device"], args.bandwidth))
+        roof = roofline(shape, batch, mean_context, bytes_per_value, _bandwidth(ours["device"], args.bandwidth), tp)
         ours["roofline"] = roof
         print(json.dumps(ours))
         print(json.dumps(peer))
@@ -359,7 +375,8 @@ def main(argv=None) -> int:
         vs_roof = (f", {roof['tokens_per_s'] / ours['decode_tokens_per_s']:.2f}x below the HBM roofline "
                    f"({roof['tokens_per_s']:.0f} tok/s, {roof['step_ms']} ms/step)" if roof.get("tokens_per_s")
                    else ", no roofline (unknown device bandwidth; pass --bandwidth)")
-        print(f"SUMMARY {args.shape} {args.dtype} batch={batch} prompt={args.prompt_len} on {ours['device']}: "
+        where = ours["device"] + (f" x{tp} (tensor parallel)" if tp > 1 else "")
+        print(f"SUMMARY {args.shape} {args.dtype} batch={batch} prompt={args.prompt_len} on {where}: "
               f"decode ours {ours['decode_tokens_per_s']:.0f} tok/s ({ours['decode_step_ms']} ms/step) vs "
               f"transformers.generate {peer['decode_tokens_per_s']:.0f} tok/s ({peer['decode_step_ms']} ms/step): "
               f"{ratio:.1f}x{vs_roof}; end-to-end {ours['e2e_tokens_per_s']:.0f} vs "

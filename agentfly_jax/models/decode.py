@@ -20,9 +20,19 @@ at position p attends to keys at positions <= p only, and `extend` writes a toke
 can attend to it.
 
 Attention over the cache (`attention=`): "xla" (einsum over the first kv_len positions, fp32 softmax: every
-platform) or "pallas" (decode steps only, T = 1: jax's Pallas GPU decode-attention kernel, split over the
-sequence, reading each row's keys up to its own length and nothing past it; "pallas_interpret" runs the same
+platform) or "pallas" (decode steps only, T = 1, one device: jax's Pallas GPU decode-attention kernel, split over
+the sequence, reading each row's keys up to its own length and nothing past it; "pallas_interpret" runs the same
 kernel through the Pallas interpreter, for CPU tests). Prompt passes always take the einsum path.
+
+Tensor parallelism. Traced under a mesh and logical axis rules (`jax.sharding.use_abstract_mesh` and
+`sharding.axis_rules`, as the sampler's programs are on a mesh), the activations take the training model's layouts
+(`sharding.constrain`): q heads, kv heads and the MLP's hidden units split over `tensor`, the residual stream
+replicated (so XLA all-reduces after o_proj and down_proj, as in Megatron), and each cache buffer its kv heads
+(`CACHE_AXES`); dimensions the mesh axis does not divide are replicated. Where the mesh splits the query heads into
+more pieces than the K kv heads can be cut into (tensor=4, 2 kv heads), each kv head is computed and cached r times
+in a row (`transformer.kv_repeats`, as the training model computes them; the cache then has K * r heads, split
+like the queries): each device holds the one kv head its queries read instead of the whole cache. Without a mesh
+the constraints do nothing and r = 1.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from agentfly_jax.models.config import ModelConfig
+from agentfly_jax.models.sharding import constrain
 from agentfly_jax.models.transformer import (
     MLP,
     CausalLM,
@@ -38,8 +49,18 @@ from agentfly_jax.models.transformer import (
     OutProjection,
     RMSNorm,
     apply_rope,
+    kv_repeats,
     rope_inv_freq,
 )
+
+#: logical names of a cache buffer's dimensions [B, K, S, D]: split over kv heads (as the k/v projections)
+CACHE_AXES = (None, "act_kv_heads", None, None)
+_EMBED_AXES = ("act_batch", "act_length", "act_embed")
+
+
+def cache_kv_heads(config: ModelConfig) -> int:
+    """The cache's kv heads: the model's, each repeated `kv_repeats` times under the active mesh (module doc)."""
+    return config.num_kv_heads * kv_repeats(config.num_heads, config.num_kv_heads)
 
 
 ATTENTIONS = ("xla", "pallas", "pallas_interpret")
@@ -52,14 +73,14 @@ PALLAS_WARPS = None
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
     """A zero KV cache {"k", "v"}: per layer a [batch, kv_heads, max_len, head_dim] buffer in `dtype` (default:
-    the compute dtype)."""
-    shape = (batch, config.num_kv_heads, max_len, config.resolved_head_dim)
+    the compute dtype); kv_heads = `cache_kv_heads(config)`."""
+    shape = (batch, cache_kv_heads(config), max_len, config.resolved_head_dim)
     dtype = dtype or config.dtype
     return {name: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)) for name in ("k", "v")}
 
 
 def cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=None) -> int:
-    """Bytes of `init_cache(config, batch, max_len, dtype)`."""
+    """Bytes of `init_cache(config, batch, max_len, dtype)` without a mesh (the model's kv heads)."""
     itemsize = jnp.dtype(dtype or config.dtype).itemsize
     return 2 * config.num_layers * batch * max_len * config.num_kv_heads * config.resolved_head_dim * itemsize
 
@@ -129,8 +150,9 @@ def _norm(c: ModelConfig, params, x):
     return RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype).apply({"params": params}, x)
 
 
-def _heads(c: ModelConfig, params, x, num_heads: int, head_axis: str):
-    proj = HeadProjection(num_heads, c.resolved_head_dim, c.qkv_bias, head_axis, c.dtype, c.param_dtype)
+def _heads(c: ModelConfig, params, x, num_heads: int, head_axis: str, repeats: int = 1):
+    proj = HeadProjection(num_heads, c.resolved_head_dim, c.qkv_bias, head_axis, c.dtype, c.param_dtype,
+                          repeats=repeats)
     return proj.apply({"params": params}, x)
 
 
@@ -165,6 +187,7 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
         x = embed.apply({"params": decoder["embed_tokens"]}, tokens)  # [B, T, E]
     else:
         x = embeddings.astype(c.dtype)
+    x = constrain(x, _EMBED_AXES)
     rope_positions = positions if rope_positions is None else rope_positions
     if rope_positions.ndim == 3 and c.mrope_section is None:
         raise ValueError("rope_positions [3, B, T] (mRoPE) need a config with mrope_section (Qwen2.5-VL)")
@@ -173,17 +196,24 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
     rows = (jnp.arange(b) if cache_rows is None else cache_rows)[:, None]  # [B, 1]
     key_positions = jnp.arange(kv_len)
     mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, T, kv_len]
-    cache_k, cache_v = list(cache["k"]), list(cache["v"])
+    cache_k = [constrain(buf, CACHE_AXES) for buf in cache["k"]]
+    cache_v = [constrain(buf, CACHE_AXES) for buf in cache["v"]]
+    repeats = kv_repeats(c.num_heads, c.num_kv_heads)  # 1 but where the mesh splits queries further (module doc)
+    if cache_k[0].shape[1] != c.num_kv_heads * repeats:
+        raise ValueError(f"the cache has {cache_k[0].shape[1]} kv heads; under the active mesh this model caches "
+                         f"{c.num_kv_heads * repeats} (init_cache under the same mesh and axis rules)")
     for i in range(c.num_layers):
         layer = decoder[f"layers_{i}"]
         attn = layer["self_attn"]
         with jax.named_scope("qkv"):
             h = _norm(c, layer["input_layernorm"], x)
             q = _heads(c, attn["q_proj"], h, c.num_heads, "heads")  # [B, T, H, D]
-            k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads")  # [B, T, K, D]
+            k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads", repeats)  # [B, T, K * repeats, D]
             q = apply_rope(q, rope_positions, inv_freq, mrope_section)
             k = apply_rope(k, rope_positions, inv_freq, mrope_section)
-            v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads")
+            v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads", repeats)
+            q, k, v = (constrain(a, ("act_batch", "act_length", axis, None))
+                       for a, axis in ((q, "act_heads"), (k, "act_kv_heads"), (v, "act_kv_heads")))
         with jax.named_scope("cache_write"):  # [B, T] indices around the kv-head axis: values [B, T, K, D]
             cache_k[i] = cache_k[i].at[rows, :, positions].set(k.astype(cache_k[i].dtype), mode="drop")
             cache_v[i] = cache_v[i].at[rows, :, positions].set(v.astype(cache_v[i].dtype), mode="drop")
@@ -199,12 +229,16 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
                     keys = cache_k[i][cache_rows, :, :kv_len].astype(c.dtype)
                     values = cache_v[i][cache_rows, :, :kv_len].astype(c.dtype)
                 out = _attend(q, keys, values, mask)  # [B, T, H, D]
+            out = constrain(out, ("act_batch", "act_length", "act_heads", None))
         with jax.named_scope("o_proj"):
             x = x + OutProjection(c.hidden_size, c.dtype, c.param_dtype).apply({"params": attn["o_proj"]}, out)
+            x = constrain(x, _EMBED_AXES)  # tensor parallel: the all-reduce of o_proj's partial sums
         with jax.named_scope("mlp"):
             x = x + MLP(c).apply({"params": layer["mlp"]}, _norm(c, layer["post_attention_layernorm"], x))
+            x = constrain(x, _EMBED_AXES)  # ... and of down_proj's
     hidden = _norm(c, decoder["norm"], x)
-    return hidden, {"k": tuple(cache_k), "v": tuple(cache_v)}
+    return hidden, {"k": tuple(constrain(buf, CACHE_AXES) for buf in cache_k),
+                    "v": tuple(constrain(buf, CACHE_AXES) for buf in cache_v)}
 
 
 def logits(model: CausalLM, params, hidden):
@@ -242,7 +276,8 @@ def decode_step(model: CausalLM, params, cache: dict, tokens, positions, *, kv_l
     hidden, cache = extend(model, params, cache, tokens[:, None], positions[:, None], kv_len=kv_len,
                            rope_positions=rope, attention=attention)
     with jax.named_scope("lm_head"):
-        return logits(model, params, hidden[:, 0]), cache
+        # [B, 1, V] then the token: the model's logit layout names [batch, length, vocab] (vocab split over tensor)
+        return logits(model, params, hidden)[:, 0], cache
 
 
 def prefill_rows(model: CausalLM, params, cache: dict, tokens, rows, starts, *, kv_len: int) -> dict:

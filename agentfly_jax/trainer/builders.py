@@ -310,22 +310,37 @@ def build_mesh(cfg: TrainConfig):
 
 
 def trainer_devices(cfg: TrainConfig) -> list:
+    """Every device, or (`jax_sampler.separate_device`) all but the sampler's last `jax_sampler.tensor_parallel`."""
     devices = jax.devices()
     if not cfg.jax_sampler.separate_device:
         return devices
     if jax.process_count() > 1:
         raise ValueError("config.jax_sampler.separate_device=True runs in one process only (the sampler takes the "
                          f"last device); this run has {jax.process_count()} processes: unset it")
-    if len(devices) < 2:
-        raise ValueError(f"config.jax_sampler.separate_device=True needs at least 2 devices; this process has "
-                         f"{len(devices)} ({devices[0].platform}): unset it")
-    return devices[:-1]
+    tp = cfg.jax_sampler.tensor_parallel
+    if len(devices) < tp + 1:
+        raise ConfigError(f"config.jax_sampler.separate_device=True with tensor_parallel={tp} needs at least {tp + 1} "
+                          f"devices (the sampler's {tp} and one to train on); this process has {len(devices)} "
+                          f"({devices[0].platform}): unset separate_device or lower tensor_parallel")
+    return devices[:-tp]
 
 
-def sampler_device(cfg: TrainConfig):
-    """The JAX sampler's device, one of this process's own (with several processes each samples on its own): the
-    last one when it is kept apart from the training mesh, else the first."""
-    return jax.local_devices()[-1] if cfg.jax_sampler.separate_device else jax.local_devices()[0]
+def sampler_devices(cfg: TrainConfig) -> list:
+    """The JAX sampler's `jax_sampler.tensor_parallel` devices, this process's own (with several processes each
+    samples on its own): the last ones when kept apart from the training mesh (separate_device), else the first."""
+    local, tp = jax.local_devices(), cfg.jax_sampler.tensor_parallel
+    if tp > len(local):
+        raise ConfigError(f"config.jax_sampler.tensor_parallel={tp} needs {tp} devices for the sampler; this process "
+                          f"has {len(local)} ({local[0].platform}): lower it to at most {len(local)}")
+    return local[-tp:] if cfg.jax_sampler.separate_device else local[:tp]
+
+
+def sampler_placement(cfg: TrainConfig) -> dict:
+    """JaxSampler's placement options: `device` (tensor_parallel=1), or a 1-D "tensor" `mesh` over its devices."""
+    devices = sampler_devices(cfg)
+    if len(devices) == 1:
+        return {"device": devices[0]}
+    return {"mesh": shd.make_mesh({"tensor": len(devices)}, devices)}
 
 
 def sharding_rules(cfg: TrainConfig):
@@ -368,8 +383,8 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, t
         compute = jnp.dtype(model.config.dtype)
         served = jax.tree.map(lambda x: x.astype(compute) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
         options = dataclasses.asdict(cfg.jax_sampler)
-        del options["separate_device"]
-        return JaxSampler(model, served, seed=cfg.seed, device=sampler_device(cfg), **options)
+        del options["separate_device"], options["tensor_parallel"]  # where it runs: sampler_placement
+        return JaxSampler(model, served, seed=cfg.seed, **sampler_placement(cfg), **options)
     from agentfly_jax.rollout.backends import LocalVLLMServers, VLLMBackend
 
     v = cfg.vllm

@@ -188,12 +188,17 @@ class JaxSamplerSection:
     # where the Gumbel noise of sampling comes from: "hash" (counter-based, fused into the sampling kernel) or
     # "threefry" (jax.random: a [slots, vocab] draw every step); both are seeded per sequence
     sampling_noise: str = knob("hash", *_one_of("hash", "threefry"))
-    # attention of decode steps over the KV cache: "auto" (jax's Pallas decode kernel on a GPU, reading each slot's
-    # keys up to its length; the einsum elsewhere), "xla", "pallas", "pallas_interpret" (CPU tests)
+    # attention of decode steps over the KV cache: "auto" = "xla" (the einsum over a window bucket; on an H200 as
+    # fast as the Pallas kernel at 64 slots and faster at 256), "pallas" (jax's Pallas GPU decode kernel, reading
+    # each slot's keys up to its length; one device), "pallas_interpret" (the same, interpreted: CPU tests)
     decode_attention: str = knob("auto", *_one_of("auto", "xla", "pallas", "pallas_interpret"))
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False
+    # the sampler split over this many of the process's devices (tensor parallel: heads, MLP, vocab and the KV
+    # cache's kv heads; docs/generation.md): the first ones, shared with the training mesh, or with
+    # separate_device=True the last ones, the training mesh on the others (>= tensor_parallel + 1 devices)
+    tensor_parallel: int = knob(1, *POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,6 +505,10 @@ class TrainConfig:
         if self.jax_sampler.separate_device and self.backend != "jax":
             raise ConfigError("config.jax_sampler.separate_device=True is for the JAX sampler: with "
                               f"config.backend={self.backend!r} generation runs on the servers; unset it")
+        if self.jax_sampler.tensor_parallel > 1 and self.backend != "jax":
+            raise ConfigError(f"config.jax_sampler.tensor_parallel={self.jax_sampler.tensor_parallel} is for the JAX "
+                              f"sampler: with config.backend={self.backend!r} generation runs on the servers (their "
+                              "own --tensor-parallel-size in config.vllm.server_args); set it to 1")
         if self.rl.partial_rollouts and not self.rl.max_staleness:
             raise ConfigError("config.rl.partial_rollouts=True has no effect with config.rl.max_staleness=0 (the "
                               "synchronous loop syncs weights when no sequence is in flight): set max_staleness "

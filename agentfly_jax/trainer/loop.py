@@ -1134,9 +1134,9 @@ def _host_params(params):
 
 
 def _build_backend(cfg: TrainConfig, serving_model, params, workdir: str, **vision):
-    """builders.build_backend; with several processes, each process's own: a JAX sampler on one of its local
-    devices (builders.sampler_device), or its share of `vllm.urls` (launched servers: each process starts its own,
-    process p > 0 under `<workdir>/processes/<p>`), fed the policy from the host."""
+    """builders.build_backend; with several processes, each process's own: a JAX sampler on its local devices
+    (builders.sampler_devices: one, or tensor_parallel of them), or its share of `vllm.urls` (launched servers: each
+    process starts its own, process p > 0 under `<workdir>/processes/<p>`), fed the policy from the host."""
     if jax.process_count() == 1:
         return builders.build_backend(cfg, serving_model, params, workdir, **vision)
     params, me = _host_params(params), jax.process_index()

@@ -31,6 +31,8 @@ def test_roofline_arithmetic():
     step_s = (494_032_768 * 2 + 64 * 256 * kv_per_token) / 3.35e12
     assert roof["step_ms"] == pytest.approx(1e3 * step_s, rel=1e-3)
     assert roof["tokens_per_s"] == pytest.approx(64 / step_s, rel=1e-3)
+    split = bench.roofline(shape, batch=64, mean_context=256, bytes_per_value=2, bandwidth=3.35e12, devices=2)
+    assert split["step_ms"] == pytest.approx(roof["step_ms"] / 2, rel=1e-3)  # tensor parallel: each reads half
     assert bench._bandwidth("NVIDIA H200", None) == 4.8e12
     assert bench._bandwidth("NVIDIA H100 80GB HBM3", None) == 3.35e12
 
@@ -54,3 +56,18 @@ def test_bench_sampler_short(tmp_path):
         assert record["ours"]["impl"] == "agentfly_jax.JaxSampler"
         assert record["peer"]["impl"] == "transformers.generate"
         assert sum(record["ours"]["compiles"].values()) <= 6  # a handful of programs per batch size
+
+
+@pytest.mark.slow
+def test_bench_sampler_tensor_parallel_short():
+    """--tensor-parallel 2 on 2 fake CPU devices (about 8 s): our side runs the sampler split over both."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "scripts/bench_sampler.py", "--shape", "tiny", "--dtype", "float32",
+                           "--batches", "4", "--prompt-len", "8", "--new-tokens", "8", "--extra-tokens", "8",
+                           "--steps-per-call", "4", "--repeats", "1", "--impl", "jax", "--tensor-parallel", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [(r["batch"], r["tensor_parallel"]) for r in records] == [(4, 2)]
+    assert records[0]["cache_sharding"] == "P(None, 'tensor', None, None)"  # tiny: 2 kv heads, 1 per device
+    assert records[0]["decode_tokens_per_s"] > 0 and sum(records[0]["compiles"].values()) <= 6

@@ -76,7 +76,24 @@ Each Completion carries `token_versions`, the version whose params the decode ca
 Since the next call is dispatched before the previous one is read back, the version is taken when a call is
 dispatched, together with the slot owners of that call, not when its tokens are collected. `weight_version` is
 the first token's. Updates run one at a time, in the order they were called.
-Runs on one device (the first, or `device=`).
+Runs on one device (the first, or `device=`), or tensor-parallel over several (see Tensor parallelism).
+
+Tensor parallelism (`tensor_parallel=N`: the first N local devices; or `mesh=`: a Mesh whose only axis of more
+than one device is "tensor", e.g. `sharding.make_mesh({"tensor": N}, devices)`). For a model that does not fit
+one device, or to decode faster on several. The params are placed by the model's logical axis rules
+(`sharding.DEFAULT_RULES`, Megatron style): q heads, kv heads, MLP hidden units and the vocab split over the
+devices, norms replicated, and any dimension the axis does not divide (14 heads on 4 devices) replicated. The KV
+cache is split over kv heads like the k/v projections; where the queries split further than the kv heads (2 kv
+heads on 4 devices) each kv head is computed and cached once per device that reads it (`decode` module docstring),
+so each device holds only the max(K / N, 1) kv heads its queries read (the whole cache only where the query heads
+do not divide and attention is replicated). Every program (prompt passes, starts, inserts, decode calls, prompt
+passes with images) is traced under the mesh with the activation layouts of `decode.extend`'s
+constraints and runs SPMD: XLA all-reduces the hidden state after o_proj and down_proj, as the training model does,
+and reduces the vocab-split logits for the softmax and the sampled token; the cache never moves. Its outputs keep
+the cache's and state's layouts (given as out_shardings), so the donated cache is updated in place call after call.
+`update_weights` places the new params (from the trainer's mesh, another device or the host) on the sampler's
+layouts, always as a copy. Outputs equal the single-device sampler's up to float rounding (the all-reduces sum
+in another order): greedy tokens equal and logprobs within 1e-5 in fp32 (tests/backends/test_jax_sampler_sharded.py).
 
 Images (a `Qwen2_5_VLCausalLM` policy; `supports_images` is True only then). `generate(prompt, ...,
 images=[PreparedImage, ...])` takes all of the prompt's images in order, one per run of `<|image_pad|>` ids (the
@@ -96,7 +113,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -104,8 +123,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from agentfly_jax.models import decode
+from agentfly_jax.models import decode, sharding
 from agentfly_jax.models.qwen2_5_vl import Qwen2_5_VLCausalLM, mrope_positions, pad_patches, vision_layout
 from agentfly_jax.models.transformer import CausalLM
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
@@ -127,6 +147,49 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 def _pow2_at_least(n: int, lo: int) -> int:
     """The smallest power of two >= max(n, lo)."""
     return 1 << (max(n, lo) - 1).bit_length()
+
+
+#: the sampler's logical axis rules: the model split over "tensor" (Megatron), nothing over data or fsdp
+_SAMPLER_RULES = sharding.DEFAULT_RULES
+
+
+def _sampler_mesh(device, tensor_parallel: int, mesh: Mesh | None) -> Mesh | None:
+    """The mesh of a JaxSampler's options (None: one device); raises on conflicting or unusable ones."""
+    if isinstance(tensor_parallel, bool) or int(tensor_parallel) != tensor_parallel or tensor_parallel < 1:
+        raise ValueError(f"JaxSampler needs tensor_parallel >= 1 (an int), got {tensor_parallel!r}")
+    given = [name for name, on in (("device", device is not None), ("mesh", mesh is not None),
+                                   ("tensor_parallel", tensor_parallel > 1)) if on]
+    if len(given) > 1:
+        raise ValueError(f"JaxSampler takes one of device=, mesh= and tensor_parallel > 1, got {' and '.join(given)}"
+                         "; a mesh over chosen devices: mesh=sharding.make_mesh({'tensor': N}, devices)")
+    if tensor_parallel > 1:
+        local = jax.local_devices()
+        if tensor_parallel > len(local):
+            raise ValueError(f"JaxSampler(tensor_parallel={tensor_parallel}) needs that many devices; this process "
+                             f"has {len(local)} ({local[0].platform})")
+        return sharding.make_mesh({"tensor": int(tensor_parallel)}, local[:tensor_parallel])
+    if mesh is None:
+        return None
+    wide = {axis: size for axis, size in mesh.shape.items() if size > 1 and axis != "tensor"}
+    if wide:
+        raise ValueError(f"JaxSampler splits the model over a mesh's 'tensor' axis only; this mesh also has "
+                         f"{wide}: give it those devices on 'tensor' (e.g. sharding.make_mesh({{'tensor': N}}, "
+                         "devices)), or run one sampler per group of devices")
+    if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        raise ValueError("JaxSampler's mesh must hold devices of this process only (jax.local_devices())")
+    # Auto axes: the activation constraints are GSPMD sharding hints (Explicit axes would disable propagation)
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _shares_buffers(src, out) -> bool:
+    """Whether jax arrays `src` and `out` have a device buffer in common (device_put handed a shard over)."""
+    if not isinstance(src, jax.Array) or not isinstance(out, jax.Array):
+        return False
+    try:
+        mine = {shard.data.unsafe_buffer_pointer() for shard in src.addressable_shards}
+        return any(shard.data.unsafe_buffer_pointer() in mine for shard in out.addressable_shards)
+    except (NotImplementedError, RuntimeError):  # no buffer pointers here: copy wherever they could be shared
+        return bool(src.devices() & out.devices())
 
 
 def _bucket(buckets: Sequence[int], n: int) -> int:
@@ -268,19 +331,24 @@ class JaxSampler(GenerationBackend):
       seed: seeds requests that give none (each then gets a fresh draw from this generator).
       sampling_noise: "hash" (counter-based Gumbel noise, fused into the sampling kernel) or "threefry"
         (jax.random, a [slots, vocab] draw every step); both seeded per sequence and token.
-      decode_attention: attention of decode steps over the KV cache: "auto" (the Pallas kernel on a GPU, else
-        the einsum), "xla" (einsum over the attention-window bucket), "pallas" (jax's Pallas GPU decode kernel,
+      decode_attention: attention of decode steps over the KV cache: "auto" or "xla" (einsum over the
+        attention-window bucket; the faster on an H200, docs/benchmarks.md), "pallas" (jax's Pallas GPU decode kernel,
         reading each slot's keys up to its own length; the cache is then a multiple of 256 positions long, one
         decode program per steps/filter pair instead of one per window bucket) or "pallas_interpret" (the same
         kernel interpreted: CPU tests). Prompt passes always use the einsum.
       device: the jax device to run on (default: the first).
+      tensor_parallel: run over this many local devices (the first ones), the model split over them (module
+        docstring); 1: one device.
+      mesh: or the mesh to run on, its "tensor" axis its only one of more than one device (its devices local to
+        this process). At most one of device, mesh and tensor_parallel > 1.
     """
 
     def __init__(self, model: CausalLM | Qwen2_5_VLCausalLM, params, *, max_slots: int = 64,
                  max_len: int | None = None, steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
                  max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
                  cache_dtype=None, prefix_caching: bool = True, prefix_min_tokens: int = 16, seed: int = 0,
-                 sampling_noise: str = "hash", decode_attention: str = "auto", device=None):
+                 sampling_noise: str = "hash", decode_attention: str = "auto", device=None, tensor_parallel: int = 1,
+                 mesh: Mesh | None = None):
         if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
             raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
                             f"{type(model).__name__}")
@@ -307,14 +375,25 @@ class JaxSampler(GenerationBackend):
         if sampling_noise not in NOISES:
             raise ValueError(f"JaxSampler sampling_noise must be one of {NOISES}, got {sampling_noise!r}")
         self.sampling_noise = sampling_noise
-        if decode_attention == "auto":
-            decode_attention = "pallas" if (device or jax.devices()[0]).platform == "gpu" else "xla"
+        # "auto" is the einsum: on an H200 it was as fast as the Pallas kernel at 64 slots and faster at 256
+        # (docs/benchmarks.md, "Embedded sampler decode")
+        decode_attention = "xla" if decode_attention == "auto" else decode_attention
         if decode_attention not in decode.ATTENTIONS:
             raise ValueError(f"JaxSampler decode_attention must be 'auto' or one of {decode.ATTENTIONS}, got "
                              f"{decode_attention!r}")
+        if decode_attention != "xla" and (mesh is not None or tensor_parallel > 1):
+            raise ValueError(f"JaxSampler decode_attention={decode_attention!r} runs on one device; a tensor-parallel "
+                             "sampler takes 'xla' (or 'auto')")
         self.decode_attention = decode_attention
         self.prefix_min_tokens = int(prefix_min_tokens)
-        self.device = device or jax.devices()[0]
+        #: the mesh the programs run on (None: one device); its "tensor" axis splits the model
+        self.mesh = _sampler_mesh(device, tensor_parallel, mesh)
+        self.tensor_parallel = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
+        self.device = device or (jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0])
+        # where host inputs go: the device, or replicated over the mesh
+        self._inputs = self.device if self.mesh is None else NamedSharding(self.mesh, P())
+        self._param_target = (self.device if self.mesh is None else
+                              sharding.param_shardings(model, params, self.mesh, _SAMPLER_RULES))
         self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
         self.prefill_tokens = int(prefill_tokens)
         self.weight_version = 0
@@ -327,18 +406,32 @@ class JaxSampler(GenerationBackend):
         cache_dtype = cache_dtype or config.dtype
 
         b = self.max_slots
-        with jax.default_device(self.device):
-            # the Pallas kernel takes whole splits of the sequence: positions past max_len are never used
-            self._cache_len = (self.max_len if decode_attention == "xla" else
-                               decode.pallas_cache_length(self.max_len))
-            self._cache = decode.init_cache(config, b, self._cache_len, cache_dtype)
-            # positions: cache index of each slot's next token; rope_offset: its rotary position minus that
-            self._state = {"tokens": jnp.zeros(b, jnp.int32), "positions": jnp.zeros(b, jnp.int32),
-                           "rope_offset": jnp.zeros(b, jnp.int32), "count": jnp.zeros(b, jnp.int32),
-                           "done": jnp.ones(b, bool)}
-        # committed to the device, as every later cache and state (program outputs) is: else the first call of a
-        # program would compile it for uncommitted inputs and the next call once more
-        self._cache, self._state = jax.device_put((self._cache, self._state), self.device)
+
+        def init_state():  # positions: cache index of each slot's next token; rope_offset: rotary position - that
+            return {"tokens": jnp.zeros(b, jnp.int32), "positions": jnp.zeros(b, jnp.int32),
+                    "rope_offset": jnp.zeros(b, jnp.int32), "count": jnp.zeros(b, jnp.int32),
+                    "done": jnp.ones(b, bool)}
+
+        # the Pallas kernel takes whole splits of the sequence: positions past max_len are never used
+        self._cache_len = (self.max_len if self.decode_attention == "xla" else
+                           decode.pallas_cache_length(self.max_len))
+        if self.mesh is None:
+            self._cache_sharding = None
+            with jax.default_device(self.device):
+                self._cache = decode.init_cache(config, b, self._cache_len, cache_dtype)
+                self._state = init_state()
+            # committed to the device, as every later cache and state (program outputs) is: else the first call of
+            # a program would compile it for uncommitted inputs and the next call once more
+            self._cache, self._state = jax.device_put((self._cache, self._state), self.device)
+        else:  # made in place, split over kv heads: the whole cache never sits on one device
+            with self._tracing():  # under the mesh the cache may hold each kv head several times (decode docstring)
+                shape = jax.eval_shape(
+                    lambda: decode.init_cache(config, b, self._cache_len, cache_dtype))["k"][0].shape
+                self._cache_sharding = NamedSharding(self.mesh, sharding.spec_for_shape(
+                    P(*decode.CACHE_AXES), shape, self.mesh, _SAMPLER_RULES))
+                self._cache, self._state = jax.jit(
+                    lambda: (decode.init_cache(config, b, self._cache_len, cache_dtype), init_state()),
+                    out_shardings=(self._cache_sharding, self._inputs))()
         # Per-slot sampling settings, kept on the host and uploaded when they change.
         self._cfg = {"temperature": np.zeros(b, np.float32), "top_p": np.ones(b, np.float32),
                      "top_k": np.zeros(b, np.int32), "stops": np.full((b, self.max_stop_tokens), -1, np.int32),
@@ -431,12 +524,33 @@ class JaxSampler(GenerationBackend):
                      "done": state["done"].at[slots].set(False, mode="drop")}
             return cache, state
 
-        self._prefill = jax.jit(prefill, static_argnums=(5,), donate_argnums=(1,))
-        self._prefill_fresh = jax.jit(prefill_fresh)
-        self._start = jax.jit(start, donate_argnums=(0, 1))
-        self._prefill_images = jax.jit(prefill_images)
-        self._insert = jax.jit(insert, donate_argnums=(0, 1))
-        self._decode = jax.jit(decode_call, static_argnums=(4, 5, 6), donate_argnums=(1, 2))
+        cache, rep = self._cache_sharding, self._inputs
+        self._prefill = self._jit(prefill, cache, static_argnums=(5,), donate_argnums=(1,))
+        self._prefill_fresh = self._jit(prefill_fresh, cache)
+        self._start = self._jit(start, (cache, rep), donate_argnums=(0, 1))
+        self._prefill_images = self._jit(prefill_images, cache)
+        self._insert = self._jit(insert, (cache, rep), donate_argnums=(0, 1))
+        self._decode = self._jit(decode_call, (cache, rep, rep), static_argnums=(4, 5, 6), donate_argnums=(1, 2))
+
+    def _jit(self, fn, out_shardings, **options):
+        """jax.jit of a program; on a mesh, traced with the mesh and the logical axis rules active (the activation
+        constraints of `decode.extend` and the model) and its outputs pinned to the cache's and state's layouts
+        (so a donated cache is updated in place and no call reshards it)."""
+        if self.mesh is None:
+            return jax.jit(fn, **options)
+
+        @functools.wraps(fn)
+        def on_mesh(*args):
+            with self._tracing():
+                return fn(*args)
+
+        return jax.jit(on_mesh, out_shardings=out_shardings, **options)
+
+    @contextlib.contextmanager
+    def _tracing(self):
+        """The sampler's mesh (abstract: usable inside jit) and logical axis rules, active while tracing."""
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), sharding.axis_rules(_SAMPLER_RULES):
+            yield
 
     @property
     def num_compiles(self) -> int:
@@ -537,7 +651,7 @@ class JaxSampler(GenerationBackend):
                 "active_slots": int(self._cfg["alive"].sum()), "waiting": len(self._waiting),
                 "admission_paused": bool(self._admission_paused),
                 "parked_slots": int((self._parked >= 0).sum()),
-                "compiles": dict(self.compile_counts),
+                "compiles": dict(self.compile_counts), "tensor_parallel": self.tensor_parallel,
                 **({"error": repr(self._failure)} if self._failure else {})}
 
     async def close(self) -> None:
@@ -638,12 +752,12 @@ class JaxSampler(GenerationBackend):
                                      f"{tuple(new.shape)}, the sampler's has {tuple(ref.shape)}")
             params = jax.tree.map(lambda new, ref: jnp.asarray(new, dtype=ref.dtype), params, reference)
         # Always a copy: the trainer donates its param buffers to the next update step. `device_put` copies a
-        # single-device array, but hands over the existing shard of an array already replicated on several devices
-        # including this one (may_alias or not): those leaves are copied explicitly, else the trainer's next update
-        # would delete the sampler's weights while it decodes (asynchronous training).
-        placed = jax.device_put(params, self.device, may_alias=False)
-        return jax.tree.map(lambda src, out: out.copy() if isinstance(src, jax.Array) and len(src.devices()) > 1
-                            else out, params, placed)
+        # single-device array, but hands over existing shards where it can (may_alias or not): an array replicated
+        # on several devices including the sampler's, or sharded on the trainer's mesh as the sampler's mesh splits
+        # it on the same devices. Leaves sharing a buffer with their source are copied explicitly, else the
+        # trainer's next update would delete the sampler's weights while it decodes (asynchronous training).
+        placed = jax.device_put(params, self._param_target, may_alias=False)
+        return jax.tree.map(lambda src, out: out.copy() if _shares_buffers(src, out) else out, params, placed)
 
     # ---------------------------------------------------------------------------------------- the decode loop
     def _ensure_running(self):
@@ -871,7 +985,7 @@ class JaxSampler(GenerationBackend):
                     slots[r], starts[r] = slot, start
                 kv_len = _bucket(self.buckets, max(start + len(suffix) for _, suffix, start in chunk))
                 self._cache = self._prefill(self._params, self._cache,
-                                                 *jax.device_put((tokens, slots, starts), self.device), kv_len)
+                                                 *jax.device_put((tokens, slots, starts), self._inputs), kv_len)
                 self.stats["prefill_calls"] += 1
 
     def _start_sequences(self, copies: list[tuple[int, int]], started: list[tuple[_Request, int, int]]):
@@ -890,7 +1004,7 @@ class JaxSampler(GenerationBackend):
             position[i], rope[i] = len(request.prompt) - 1, request.rope_offset
         self._cache, self._state = self._start(
             self._cache, self._state, *jax.device_put((src, dst, np.int32(len(copies)), slots, last, position, rope),
-                                                      self.device))
+                                                      self._inputs))
         self.stats["prefix_copies"] += len(copies)
 
     def _prefill_and_insert(self, groups, length: int, rows: int):
@@ -902,7 +1016,7 @@ class JaxSampler(GenerationBackend):
         if requests[0].images:
             prompt_cache = self._prefill_images(self._params, *self._vision_inputs(tokens, requests))
         else:
-            prompt_cache = self._prefill_fresh(self._params, jax.device_put(tokens, self.device))
+            prompt_cache = self._prefill_fresh(self._params, jax.device_put(tokens, self._inputs))
         self.stats["prefill_calls"] += 1
         for r, group in enumerate(groups):
             for request, sample, slot in group:
@@ -924,7 +1038,7 @@ class JaxSampler(GenerationBackend):
         num_patches = _pow2_at_least(pixel_values.shape[0], self.min_patch_bucket)
         layout = vision_layout(self.model.config.vision, np.array([image.grid_thw for image in images]), num_patches)
         self.stats["images"] += len(images)
-        return jax.device_put((tokens, rope, pad_patches(pixel_values, num_patches), layout), self.device)
+        return jax.device_put((tokens, rope, pad_patches(pixel_values, num_patches), layout), self._inputs)
 
     def _assign(self, slot: int, request: _Request, sample: int):
         cfg = self._cfg
@@ -952,7 +1066,7 @@ class JaxSampler(GenerationBackend):
         kv_len = self.max_len if self.decode_attention != "xla" else _bucket(self.buckets, min(need, self.max_len))
         filtered = bool(((self._cfg["top_p"] < 1.0) | (self._cfg["top_k"] > 0))[alive].any())
         if self._cfg_device is None:
-            self._cfg_device = jax.device_put(self._cfg, self.device)
+            self._cfg_device = jax.device_put(self._cfg, self._inputs)
         self._cache, self._state, outputs = self._decode(self._params, self._cache, self._state, self._cfg_device,
                                                          kv_len, filtered, steps)
         self._pos_bound[alive] = np.minimum(self._pos_bound[alive] + steps, self.max_len - 1)
