@@ -2,6 +2,8 @@
 
     python scripts/bench_update.py                      # Qwen2.5-0.5B shape, bf16, batch 8 x 1024, AdamW
     python scripts/bench_update.py --shape tiny --steps 3  # the short CPU version CI runs
+    python scripts/bench_update.py --mode optimizer     # the clip + AdamW step alone: optax, each fused
+                                                        # layout, and torch's fused AdamW + clip
 
 Both sides get random weights of the same shape, the same token batch and AdamW. Ours runs the full PPO policy
 loss (fp32 log-probabilities in sequence chunks, clipped ratio); the peer runs transformers' causal-LM
@@ -65,7 +67,11 @@ def run_jax(args) -> dict:
     model = CausalLM(config)
     trainable = lora.is_adapter if args.lora_rank else None  # LoRA: adapters trained, the base frozen
     params = init_params(model, jax.random.PRNGKey(0))
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
+    if args.mode == "optimizer":
+        return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "mode": args.mode,
+                "fp32_params": args.fp32_params, "lora_rank": args.lora_rank, "shape": args.shape,
+                "dtype": args.dtype, "variants": _time_optimizers(args, params, trainable)}
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer))
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
     step = make_train_step(model, alg, optimizer, trainable=trainable)
@@ -117,12 +123,52 @@ def run_jax(args) -> dict:
     opt_values = sum(int(x.size) for x in jax.tree.leaves(holder["state"].policy.opt_state) if x.ndim > 0)
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
             "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, "mode": args.mode,
-            "segments": seg, "chunk": args.chunk, "lora_rank": args.lora_rank,
+            "segments": seg, "chunk": args.chunk, "lora_rank": args.lora_rank, "fused_optimizer": args.fused_optimizer,
             "trained_values": lora.adapter_count(params) if args.lora_rank else sum(
                 int(x.size) for x in jax.tree.leaves(params)),
             "optimizer_values": opt_values,
             "peak_gib": round(stats["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in stats else None,
             **_summary(args, times)}
+
+
+def _time_optimizers(args, params, trainable) -> dict:
+    """`--mode optimizer`: the trainer's optimiser step alone (`update._apply`: global-norm clip, AdamW, the
+    non-finite skip and the gradient/update/parameter norms it logs; state donated) on fixed random gradients,
+    for each `optimizer.fused` setting in turn, in this one process. -> {setting: timings}."""
+    import jax
+    import jax.numpy as jnp
+
+    from agentfly_jax.models import lora
+    from agentfly_jax.trainer import OptimizerConfig, create_train_state, make_optimizer
+    from agentfly_jax.trainer.update import _apply
+
+    trained = params if trainable is None else lora.split_trainable(params, trainable)[0]
+    leaves, treedef = jax.tree.flatten(trained)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    grads = jax.tree.unflatten(treedef, [(1e-3 * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+                                         for k, x in zip(keys, leaves)])
+    out = {}
+    for setting in ("off", "per_leaf", "stacked", "hybrid"):
+        optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=setting))
+        holder = {"ms": create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable).policy}
+        step = jax.jit(lambda ms, g, opt=optimizer: _apply(ms, g, opt, trainable), donate_argnums=0)
+        t0 = time.perf_counter()
+        compiled = step.lower(holder["ms"], grads).compile()
+        compile_s = time.perf_counter() - t0
+        hlo = compiled.as_text()
+
+        def one():
+            holder["ms"], metrics = compiled(holder["ms"], grads)
+            jax.block_until_ready(metrics)
+
+        times = _timeit(one, args.steps, args.warmup)
+        out[setting] = {"step_ms": round(1e3 * sorted(times)[len(times) // 2], 3),
+                        "step_ms_min": round(1e3 * min(times), 3), "compile_s": round(compile_s, 2),
+                        "fusions": hlo.count("kind=k"),  # fused kernels in the compiled program (XLA's fusions)
+                        "optimizer_arrays": len(jax.tree.leaves(holder["ms"].opt_state))}
+        holder.clear()  # this setting's state is freed before the next one's is made
+    out["parameter_leaves"] = len(leaves)
+    return out
 
 
 def run_torch(args) -> dict:
@@ -143,6 +189,23 @@ def run_torch(args) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=cuda)
     ids = torch.randint(0, shape["vocab_size"], (args.batch, args.seq_len), device=device)
+
+    if args.mode == "optimizer":  # the peer's clip + fused AdamW step alone, on fixed random gradients
+        for p in model.parameters():
+            p.grad = 1e-3 * torch.randn_like(p)
+
+        def one():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+
+        one()
+        times = _timeit(one, args.steps, args.warmup)
+        median = sorted(times)[len(times) // 2]
+        return {"impl": "transformers+torch", "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "mode": args.mode, "torch": torch.__version__, "step_ms": round(1e3 * median, 3),
+                "step_ms_min": round(1e3 * min(times), 3), "parameter_leaves": len(list(model.parameters()))}
 
     def one():
         loss = model(input_ids=ids, labels=ids).loss
@@ -200,8 +263,11 @@ def main(argv=None) -> int:
     p.add_argument("--fp32-params", action="store_true", help="ours: fp32 master params, bf16 compute")
     p.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto")
     p.add_argument("--segments", type=int, default=1, help="ours: sequences packed per row (segment masks)")
-    p.add_argument("--mode", choices=["step", "grad", "forward"], default="step",
-                   help="ours: full step, gradients only, or forward log-probs only (time breakdown)")
+    p.add_argument("--mode", choices=["step", "grad", "forward", "optimizer"], default="step",
+                   help="ours: full step, gradients only, forward log-probs only (time breakdown), or the "
+                        "optimiser step alone (every optimizer.fused setting, and the peer's clip + AdamW)")
+    p.add_argument("--fused-optimizer", choices=["off", "per_leaf", "stacked", "hybrid"], default="off",
+                   help="ours, --mode step: optimizer.fused (trainer/fused_adamw.py)")
     p.add_argument("--remat", action="store_true")
     p.add_argument("--chunk", type=int, default=0,
                    help="ours: positions per fp32 logits chunk (0: whole sequence at once, fastest when it fits)")
@@ -222,6 +288,17 @@ def main(argv=None) -> int:
                             *(argv if argv is not None else sys.argv[1:]), "--impl", impl], f"benchmark side {impl!r}")
                for impl in ("jax", "torch")]
     ours, peer = results
+    if args.mode == "optimizer":
+        for r in results:
+            print(json.dumps(r))
+        v = ours["variants"]
+        fused = ", ".join(f"{k} {v[k]['step_ms']} ms ({v[k]['fusions']})" for k in ("per_leaf", "stacked", "hybrid"))
+        print(f"SUMMARY optimizer step {args.shape} {args.dtype} on {ours['device']}: optax {v['off']['step_ms']} ms "
+              f"({v['off']['fusions']} fusions); fused {fused}; torch clip + AdamW {peer['step_ms']} ms")
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps({"ours": ours, "peer": peer}) + "\n")
+        return 0
     for r in results:
         r["mfu"] = _mfu(r)
         print(json.dumps(r))

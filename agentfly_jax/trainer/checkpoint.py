@@ -68,13 +68,32 @@ class Checkpointer:
         self.manager.wait_until_finished()
         return bool(saved)
 
-    def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, target: Any, settings: dict[str, tuple[Any, Any]] | None = None
+                       ) -> tuple[int, Any, dict] | None:
         """(step, state, meta) of the newest checkpoint that loads and matches its checksums, restored with
         `target`'s shapes, dtypes and shardings; None when there is none. Broken ones are skipped with a warning
-        and moved aside."""
+        and moved aside.
+
+        settings: meta key -> (the value this run needs, the value a checkpoint without the key was saved with):
+        settings that decide the state's layout. A checkpoint saved with another value is not broken but made by
+        another configuration: ConfigError, naming the key (rather than skipping every checkpoint and starting
+        over)."""
+        from agentfly_jax.trainer.config import ConfigError
+
         self.manager.reload()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
         for step in sorted(self.manager.all_steps(), reverse=True):
+            if settings:
+                try:
+                    saved = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                except Exception:  # noqa: BLE001 - an unreadable meta: the full restore below skips it
+                    saved = None
+                for key, (needed, absent) in settings.items() if saved is not None else ():
+                    if saved.get(key, absent) != needed:
+                        raise ConfigError(f"checkpoint {step} in {self.directory} was saved with {key}="
+                                          f"{saved.get(key, absent)!r}, this run has {needed!r}: its state does not "
+                                          "load under another value; resume with the checkpoint's setting or start "
+                                          "in a new workdir")
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))

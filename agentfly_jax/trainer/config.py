@@ -229,6 +229,11 @@ class OptimizerConfig:
     b2: float = knob(0.999, lambda v: 0 <= v < 1, "in [0, 1)")
     eps: float = knob(1e-8, *POSITIVE)
     max_grad_norm: float = 1.0  # <= 0 disables clipping
+    # how the clip + AdamW step is computed (the same maths; trainer/fused_adamw.py): "off" optax's
+    # chain(clip_by_global_norm, adamw); the fused fp32 pass "per_leaf" leaf by leaf, "stacked" on same-role leaves
+    # stacked across layers (moments kept stacked), "hybrid" stacking only leaves of <= 2**18 values. The optimiser
+    # state's layout follows it: a checkpoint resumes only under the setting it was saved with
+    fused: str = knob("off", *_one_of("off", "per_leaf", "stacked", "hybrid"))
 
 
 @dataclasses.dataclass(frozen=True)

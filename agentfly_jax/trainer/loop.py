@@ -794,7 +794,9 @@ def train(config, workdir: str | None = None) -> dict:
     try:
         # --- Load checkpoint (or warm start) --------------------------------------------------------
         start_step, sft_metrics, before_sft = 0, {}, {}
-        restored = run.checkpointer.restore_latest(_checkpoint_tree(run)) if cfg.resume else None
+        # the optimizer state's layout follows optimizer.fused (checkpoints before it existed: "off")
+        restored = (run.checkpointer.restore_latest(_checkpoint_tree(run), settings={
+            "optimizer_fused": (cfg.optimizer.fused, "off")}) if cfg.resume else None)
         if restored is not None:
             start_step, tree, meta = restored
             run.state = jax.device_put(tree["state"], run.shardings)
@@ -977,7 +979,8 @@ def _checkpoint_tree(run: Run) -> dict:
 
 def _save(run: Run, step: int, eval_before: dict, force: bool = False) -> None:
     meta = {"step": step, "weight_version": step, "algorithm": run.config.algorithm,
-            "eval_before": eval_before, "data_position": step * run.config.rl.tasks_per_step}
+            "eval_before": eval_before, "data_position": step * run.config.rl.tasks_per_step,
+            "optimizer_fused": run.config.optimizer.fused}
     _check_finite(run.state, f"checkpoint step {step}")
     run.checkpointer.save(step, _checkpoint_tree(run), meta, force=force)
 

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.trainer.config import OptimizerConfig
+from agentfly_jax.trainer.fused_adamw import fused_clip_adamw
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -30,7 +31,20 @@ def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
+# optimizer.fused="hybrid": leaves of at most this many values are stacked across layers. An estimate, not a
+# measurement: the update of such a leaf moves < 4 MB in bf16, about 1 us of H100/H200 bandwidth, less than the
+# cost of launching its kernel, so only the launches count there; larger leaves stay per leaf (no stacking copies)
+HYBRID_STACK_MAX_SIZE = 2 ** 18
+
+
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """Global-norm clipping + AdamW with the config's schedule: optax's chain, or (`cfg.fused`) the same step as
+    one pass over per-leaf or stacked groups, `fused_adamw.fused_clip_adamw`."""
+    if cfg.fused != "off":
+        stack_max_size = {"per_leaf": 0, "stacked": None, "hybrid": HYBRID_STACK_MAX_SIZE}[cfg.fused]
+        return fused_clip_adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                                stack_max_size=stack_max_size)
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay)
     if cfg.max_grad_norm and cfg.max_grad_norm > 0:
@@ -80,6 +94,10 @@ def state_shardings(state: TrainState, mesh: Mesh, *, policy_model, policy_opt, 
 
     def model_state(ms: ModelState, model, optimizer, trainable=None):
         param_sh = shd.param_shardings(model, ms.params, mesh, rules)
+        fused = getattr(optimizer, "state_shardings", None)  # fused_clip_adamw: moments stacked by group
+        if fused is not None:
+            opt_sh = fused(_optimised(ms.params, trainable), _optimised(param_sh, trainable), replicated)
+            return ModelState(params=param_sh, opt_state=opt_sh)
         opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, ms.opt_state, _optimised(param_sh, trainable),
                                        transform_non_params=lambda _: replicated)
         return ModelState(params=param_sh, opt_state=opt_sh)

@@ -189,6 +189,12 @@ def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation, train
     depends on the gradients alone (known before the update), so the select stays elementwise with the
     update and XLA can still write the new moments over the donated old ones."""
     trained, frozen = (ms.params, None) if trainable is None else lora.split_trainable(ms.params, trainable)
+    fused_step = getattr(optimizer, "fused_step", None)
+    if fused_step is not None:  # fused_clip_adamw: the skip and the norms inside its one pass
+        new, opt_state, stats = fused_step(grads, ms.opt_state, trained)
+        return ModelState(params=new if frozen is None else lora.combine(new, frozen), opt_state=opt_state), {
+            "grad_norm": stats.grad_norm, "update_norm": stats.update_norm, "param_norm": stats.param_norm,
+            "nonfinite": 1.0 - stats.finite.astype(jnp.float32)}
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, ms.opt_state, trained)

@@ -143,6 +143,29 @@ def test_non_finite_state_is_never_checkpointed_or_exported():
             _check_finite(bad, "checkpoint step 1")
 
 
+def test_a_checkpoint_of_another_state_layout_is_refused_not_skipped(tmp_path):
+    """A setting that decides the state's layout (optimizer.fused): a checkpoint saved under another value stops the
+    resume with a ConfigError naming the key, and nothing is moved aside; one saved before the key existed counts
+    as its default."""
+    import pytest
+
+    from agentfly_jax.trainer.config import ConfigError
+
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), every=1)
+    ckpt.save(1, _tree(1), {"step": 1})  # no key: saved as "off"
+    ckpt.save(2, _tree(2), {"step": 2, "optimizer_fused": "stacked"})
+    with pytest.raises(ConfigError, match=r"checkpoint 2 .* optimizer_fused='stacked', this run has 'off'"):
+        ckpt.restore_latest(_tree(0), settings={"optimizer_fused": ("off", "off")})
+    assert sorted(ckpt.manager.all_steps()) == [1, 2] and not ckpt.skipped
+    step, _, _ = ckpt.restore_latest(_tree(0), settings={"optimizer_fused": ("stacked", "off")})
+    assert step == 2
+    ckpt.manager.delete(2)
+    with pytest.raises(ConfigError, match=r"checkpoint 1 .* optimizer_fused='off', this run has 'stacked'"):
+        ckpt.restore_latest(_tree(0), settings={"optimizer_fused": ("stacked", "off")})
+    assert ckpt.restore_latest(_tree(0), settings={"optimizer_fused": ("off", "off")})[0] == 1
+    ckpt.close()
+
+
 def test_no_checkpoint_returns_none(tmp_path):
     assert Checkpointer(str(tmp_path / "empty"), every=1).restore_latest(_tree(0)) is None
 
