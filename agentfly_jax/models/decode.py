@@ -2,8 +2,8 @@
 
 The layers are the training model's own modules (`RMSNorm`, `HeadProjection`, `OutProjection`, `MLP`,
 `apply_rope`; attention is the model's einsum path written for the cache's layout) applied to the same params,
-so a token's logits equal those of
-`CausalLM.apply` on the whole sequence up to float rounding; only where keys and values come from differs.
+so a token's logits equal those of `CausalLM.apply` on the whole sequence up to float rounding; only where keys
+and values come from differs.
 
 Qwen2.5-VL (`Qwen2_5_VLCausalLM`, whose params hold the same decoder tree under "model") decodes with the same
 functions: its prompt pass runs on the model's own `embed` (image features merged into the token embeddings)
@@ -94,7 +94,7 @@ def set_pallas_tuning(spec: str) -> None:
     except ValueError:
         raise ValueError(f"Pallas tuning {spec!r} is not 'splits,block_k,warps' (three integers)") from None
     if any(v < 0 or v & (v - 1) for v in (splits, block_k, warps)) or not splits or block_k < 16:
-        raise ValueError(f"Pallas tuning {spec!r}: splits and block_k (>= 16) must be powers of two, warps 0 or one")
+        raise ValueError(f"Pallas tuning {spec!r}: splits and block_k (>= 16) must be powers of two, warps 0 or a power of two")
     PALLAS_SPLITS, PALLAS_BLOCK_K, PALLAS_WARPS = splits, block_k, warps or None
 
 
