@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -293,6 +294,12 @@ def _abandon_task(task: asyncio.Task) -> None:
     task.add_done_callback(ended)
 
 
+def _wake(waiter: asyncio.Future, _outcome: Any = None) -> None:
+    """Wakes `call_with_limit`'s waiter (the call ended, or its limit passed), once."""
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 async def call_with_limit(function: Any, arguments: dict[str, Any], *, is_async: bool, limit_s: float | None) -> Any:
     """`function(**arguments)`'s value (async functions in their own task, sync ones on their own thread).
 
@@ -303,20 +310,32 @@ async def call_with_limit(function: Any, arguments: dict[str, Any], *, is_async:
     past it. A SystemExit/KeyboardInterrupt/... the function raises comes back as CallRaisedBaseException.
     Cancelling the caller stops the call the same way and propagates.
     """
+    loop = asyncio.get_running_loop()
     if is_async:
-        running: Any = asyncio.ensure_future(_call_async(function, arguments))
+        running: Any = loop.create_task(_call_async(function, arguments))
         outcome = running
     else:
-        running = _SyncCall(function, arguments, asyncio.get_running_loop())
+        running = _SyncCall(function, arguments, loop)
         outcome = running.future
-    unlimited = limit_s is None or math.isinf(limit_s)
+    # What `asyncio.wait({outcome}, timeout=limit_s)` does, without its per-call sets, coroutines and closures
+    # (this runs for every tool call of a rollout): one future, woken by the outcome or by the limit's timer.
+    waiter = loop.create_future()
+    wake = functools.partial(_wake, waiter)
+    outcome.add_done_callback(wake)
+    timer = None if limit_s is None or math.isinf(limit_s) else loop.call_later(limit_s, _wake, waiter)
     try:
-        done, _ = await asyncio.wait({outcome}, timeout=None if unlimited else limit_s)
+        await waiter
     except asyncio.CancelledError:
+        outcome.remove_done_callback(wake)
+        if timer is not None:
+            timer.cancel()
         await _stop(running)
         raise
-    if done:
+    if timer is not None:
+        timer.cancel()
+    if outcome.done():
         return outcome.result()
+    outcome.remove_done_callback(wake)
     raise CallTimedOut(limit_s, abandoned=await _stop(running))
 
 
@@ -540,7 +559,7 @@ async def _execute_tool_call(
         if isinstance(parsed, ToolResult):
             return parsed
         call = parsed
-    surrogate = lone_surrogate_in([call.name, call.arguments])
+    surrogate = lone_surrogate_in(call.arguments) or lone_surrogate_in(call.name)  # (as one walk of both finds)
     if surrogate is not None:  # the parsers refuse these; calls made in Python are checked here
         return _failure(
             "bad_arguments",
@@ -596,9 +615,13 @@ async def _execute_tool_call(
                         arguments=arguments,
                     )
                 started = time.perf_counter()
-                result = await _run_with_timeout(tool, arguments_in, limit_s)
+                result = await call_with_limit(
+                    tool.bound_function, arguments_in, is_async=tool.is_async, limit_s=limit_s
+                )
         else:
-            result = await _run_with_timeout(tool, arguments_in, limit_s)
+            result = await call_with_limit(
+                tool.bound_function, arguments_in, is_async=tool.is_async, limit_s=limit_s
+            )
     except CallTimedOut as stopped:
         retired = stopped.abandoned and retire_environment(arguments_in.get(ENV_PARAMETER))
         return _failure(
@@ -715,10 +738,6 @@ def _truncated_parts(parts: list[dict[str, Any]], max_chars: int, note: str) -> 
     return kept + [{"type": "text", "text": note}]
 
 
-async def _run_with_timeout(tool: Tool, arguments: dict[str, Any], limit_s: float) -> Any:
-    return await call_with_limit(tool.bound_function, arguments, is_async=tool.is_async, limit_s=limit_s)
-
-
 def _without_surrogates(text: str) -> tuple[str, int]:
     """`text` with each lone surrogate written as its escape (`\\ud800`), and how many there were: such text
     cannot be encoded (the tokenizer, UTF-8 logs), so no observation may hold one."""
@@ -762,6 +781,7 @@ async def execute_tool_calls(
     """Run several calls, concurrently by default (results in call order); see `execute_tool_call`."""
     table = as_tool_table(tools)
     options = {"timeout": timeout, "max_observation_chars": max_observation_chars, "context": context}
-    if not parallel:
-        return [await execute_tool_call(call, table, **options) for call in calls]
-    return list(await asyncio.gather(*(execute_tool_call(call, table, **options) for call in calls)))
+    if not parallel or len(calls) < 2:  # (one call needs no task of its own)
+        return [_encodable(await _execute_tool_call(call, table, **options)) for call in calls]
+    results = await asyncio.gather(*(_execute_tool_call(call, table, **options) for call in calls))
+    return [_encodable(result) for result in results]

@@ -16,7 +16,13 @@ import pytest
 
 from agentfly_jax.tools import TOOL_ERROR_KINDS, ToolCall, execute_tool_call, parse_error_result, tool
 from agentfly_jax.tools import execute as execute_module
-from agentfly_jax.tools.parsers import decode_arguments, parse_hermes_tool_calls, parse_react
+from agentfly_jax.tools.parsers import (
+    decode_arguments,
+    load_json,
+    lone_surrogate_in,
+    parse_hermes_tool_calls,
+    parse_react,
+)
 from tests.tools.hostile_tools import (
     DIGITS,
     Counter,
@@ -175,6 +181,18 @@ def test_calls_built_in_python_with_a_lone_surrogate_are_bad_arguments():
     assert_failure(direct, "bad_arguments", "\\ud800")
     as_dict = run({"name": "echo", "arguments": {"text": "x\udfff"}})
     assert_failure(as_dict, "bad_arguments", "\\udfff")
+
+
+def test_lone_surrogates_are_found_in_keys_values_and_nested_values():
+    assert lone_surrogate_in({"a": "b", "c": "d"}) is None and lone_surrogate_in({1: "b"}) is None
+    assert lone_surrogate_in({"x\ud800": "b"}) == "\\ud800"  # a flat dict of strings: its keys too
+    assert lone_surrogate_in({"a": "b\udc01"}) == "\\udc01"
+    assert lone_surrogate_in({1: "b", "a": ["\ud801"]}) == "\\ud801"  # other keys, nested values: walked
+    assert lone_surrogate_in("plain") is None and lone_surrogate_in("a\udfffb") == "\\udfff"
+    # JSON text: a surrogate written as it is, or escaped; an escaped backslash before "ud800" is no escape
+    assert "holds \\ud800" in load_json('{"a": "x\ud800"}')
+    assert "holds \\ud800" in load_json('{"a": "x\\ud800"}')
+    assert load_json('{"a": "x\\\\ud800"}') == ({"a": "x\\ud800"}, 17)
 
 
 # --------------------------------------------------------------------------------------------------
