@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import functools
 import json
@@ -294,6 +295,9 @@ def _abandon_task(task: asyncio.Task) -> None:
     task.add_done_callback(ended)
 
 
+_NO_CONTEXT = contextvars.Context()
+
+
 def _wake(waiter: asyncio.Future, _outcome: Any = None) -> None:
     """Wakes `call_with_limit`'s waiter (the call ended, or its limit passed), once."""
     if not waiter.done():
@@ -319,10 +323,13 @@ async def call_with_limit(function: Any, arguments: dict[str, Any], *, is_async:
         outcome = running.future
     # What `asyncio.wait({outcome}, timeout=limit_s)` does, without its per-call sets, coroutines and closures
     # (this runs for every tool call of a rollout): one future, woken by the outcome or by the limit's timer.
+    # (_wake reads no context variable: both callbacks run in one empty context instead of a copy each)
     waiter = loop.create_future()
     wake = functools.partial(_wake, waiter)
-    outcome.add_done_callback(wake)
-    timer = None if limit_s is None or math.isinf(limit_s) else loop.call_later(limit_s, _wake, waiter)
+    outcome.add_done_callback(wake, context=_NO_CONTEXT)
+    timer = None
+    if limit_s is not None and not math.isinf(limit_s):
+        timer = loop.call_later(limit_s, _wake, waiter, context=_NO_CONTEXT)
     try:
         await waiter
     except asyncio.CancelledError:
