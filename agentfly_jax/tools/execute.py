@@ -745,12 +745,15 @@ def _truncated_parts(parts: list[dict[str, Any]], max_chars: int, note: str) -> 
     return kept + [{"type": "text", "text": note}]
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _without_surrogates(text: str) -> tuple[str, int]:
     """`text` with each lone surrogate written as its escape (`\\ud800`), and how many there were: such text
     cannot be encoded (the tokenizer, UTF-8 logs), so no observation may hold one."""
-    count = sum(1 for character in text if "\ud800" <= character <= "\udfff")
-    if not count:
+    if not _LONE_SURROGATE.search(text):  # (a regex scan: observations are often long)
         return text, 0
+    count = sum(1 for character in text if "\ud800" <= character <= "\udfff")
     return text.encode("utf-8", "backslashreplace").decode("utf-8"), count
 
 
