@@ -19,7 +19,8 @@ Garbage collection: each run starts from a full collection (nothing left over fr
 against it), and its JSON line gives the process CPU time it used (`cpu_s`), the time spent in garbage
 collections (`gc_s`) and how many were full ones (`full_collections`). A full collection walks every object
 of the process: here about 280,000 from the imports (transformers, jax, torch), some 0.15-0.25 s on a slow
-CPU, and a rollout of 256 chains allocates enough to set one off. The trainer freezes the objects that exist
+CPU, and every 256-chain rollout set one off until the runtime's allocations were cut (docs/benchmarks.md); a
+trainer's steps make more between rollouts and still do. The trainer freezes the objects that exist
 once it is set up out of the collector's reach (`agentfly_jax.heap.freeze_startup_heap`: `gc.collect()` then
 `gc.freeze()`), so that only what the steps make is walked; this script does the same once the tokenizer is
 built, so that it measures the runtime as the trainer runs it. `--no-gc-freeze` leaves the heap as the
