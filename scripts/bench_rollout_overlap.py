@@ -19,9 +19,12 @@ Garbage collection: each run starts from a full collection (nothing left over fr
 against it), and its JSON line gives the process CPU time it used (`cpu_s`), the time spent in garbage
 collections (`gc_s`) and how many were full ones (`full_collections`). A full collection walks every object
 of the process: here about 280,000 from the imports (transformers, jax, torch), some 0.15-0.25 s on a slow
-CPU, and a rollout of 256 chains allocates enough to set one off. `--gc-freeze` moves the objects that exist
-once everything is set up out of the collector's reach (`gc.freeze()`), as a long-running process can do
-after start-up, so that only the runtime's own objects are walked.
+CPU, and every 256-chain rollout set one off until the runtime's allocations were cut (docs/benchmarks.md); a
+trainer's steps make more between rollouts and still do. The trainer freezes the objects that exist
+once it is set up out of the collector's reach (`agentfly_jax.heap.freeze_startup_heap`: `gc.collect()` then
+`gc.freeze()`), so that only what the steps make is walked; this script does the same once the tokenizer is
+built, so that it measures the runtime as the trainer runs it. `--no-gc-freeze` leaves the heap as the
+process has it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from agentfly_jax.heap import freeze_startup_heap, unfreeze_startup_heap
 from agentfly_jax.rollout.agents import ToolCallingAgent
 from agentfly_jax.tools import tool
 from tests.rollout.fakes import FakeScriptedBackend, tool_call_text
@@ -116,6 +120,7 @@ def run_overlap_benchmark(
         "cpu_s": round(cpu_s, 4),
         "gc_s": round(collections["s"], 4),
         "full_collections": collections["full"],
+        "frozen_objects": gc.get_freeze_count(),  # left out of every collection (the start-up heap, when frozen)
         "tool_calls": int(agent.last_run_stats["tool_calls"]),
     }
 
@@ -130,19 +135,18 @@ def main(argv: list[str] | None = None, *, tokenizer: Any = None) -> dict[str, d
     parser.add_argument("--generation", type=float, default=0.1, help="seconds sampling one turn takes")
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode; the fastest is reported")
     parser.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="gc.freeze() the objects that exist before the runs (imports, tokenizer): full collections "
-        "during a run then walk only what the runtime made (see the module docstring)",
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="do not freeze the objects that exist before the runs (imports, tokenizer) as the trainer does: "
+        "full collections during a run then walk all of them (see the module docstring)",
     )
     args = parser.parse_args(argv)
     if tokenizer is None:
         from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
 
         tokenizer = build_qwen2_5_tokenizer()
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+    frozen_here = freeze_startup_heap() if args.gc_freeze else False  # as the trainer's setup does
     results = {}
     try:
         for parallel in (True, False):
@@ -162,10 +166,9 @@ def main(argv: list[str] | None = None, *, tokenizer: Any = None) -> dict[str, d
             results["concurrent" if parallel else "sequential"] = best
             print(json.dumps(best))
     finally:
-        if args.gc_freeze:
-            gc.unfreeze()  # a caller in the same process (the test) gets its collector back as it was
+        unfreeze_startup_heap(frozen_here)  # a caller in the same process (the test) gets its collector back
     concurrent, sequential = results["concurrent"], results["sequential"]
-    frozen = ", start-up heap frozen" if args.gc_freeze else ""
+    frozen = ", start-up heap frozen as the trainer does" if args.gc_freeze else ", start-up heap not frozen"
     print(
         f"\n{concurrent['chains']} chains x {args.turns} turns x {args.calls} calls "
         f"(tool {args.tool_sleep:g} s, generation {args.generation:g} s) on {platform.machine()} "

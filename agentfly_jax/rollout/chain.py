@@ -265,7 +265,10 @@ async def _chain_turns(
         _prompt_too_long(agent, state, stats)
         return
     # a vision-language policy may sample a vision pad id; it would stand for image features nobody sent
-    vision_pads = vision_pad_ids(agent.tokenizer) if getattr(agent.backend, "supports_images", False) else ()
+    vision_pads = frozenset()
+    if getattr(agent.backend, "supports_images", False):
+        cache = state.encoder_cache
+        vision_pads = cache.vision_pad_ids if cache is not None else vision_pad_ids(agent.tokenizer)
     for turn in range(max_turns):
         room = agent.max_context_tokens - len(encoder.token_ids)
         if room <= 0:
@@ -394,9 +397,10 @@ def _prompt_too_long(agent: BaseAgent, state: ChainState, stats: RolloutStats) -
 
 def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
     """The Trajectory of a chain as it stands (finished, failed or cancelled part-way)."""
+    # (The Trajectory makes its own copies of the token lists: the chain's are handed over as they are.)
     if state.encoder is not None:
-        token_ids, action_mask = list(state.encoder.token_ids), list(state.encoder.action_mask)
-        logprobs, token_versions = list(state.logprobs), list(state.token_versions)
+        token_ids, action_mask = state.encoder.token_ids, state.encoder.action_mask
+        logprobs, token_versions = state.logprobs, state.token_versions
         messages = list(state.encoder.messages)
         images, image_starts = state.encoder.images, state.encoder.image_starts
     else:
@@ -405,11 +409,14 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
         token_versions = [-1] * len(state.prompt_ids)
         images, image_starts = [], []
     keep = state.keep_tokens if state.keep_tokens is not None else len(token_ids)
+    if keep < len(token_ids):
+        token_ids, action_mask = token_ids[:keep], action_mask[:keep]
+        logprobs, token_versions = logprobs[:keep], token_versions[:keep]
     # an observation cut off with its tokens takes its images along (the cut is at a message boundary)
     images = [image for image, start in zip(images, image_starts) if start < keep]
     # Staleness counts from the oldest sampled token; a chain that sampled nothing gets its turns' versions
     # (or the version served now).
-    sampled_versions = list(itertools.compress(token_versions[:keep], action_mask[:keep]))
+    sampled_versions = list(itertools.compress(token_versions, action_mask))
     versions = sampled_versions or state.policy_versions or [default_version]
     metrics: dict[str, Any] = {
         "generation_latency_s": sum(state.generation_latencies),
@@ -429,10 +436,10 @@ def build_trajectory(state: ChainState, default_version: int) -> Trajectory:
             metrics["task_id"] = str(state.task[field])
             break
     return Trajectory(
-        token_ids=token_ids[:keep],
-        action_mask=action_mask[:keep],
-        sampler_logprobs=logprobs[:keep],
-        token_versions=token_versions[:keep],
+        token_ids=token_ids,
+        action_mask=action_mask,
+        sampler_logprobs=logprobs,
+        token_versions=token_versions,
         group_id=state.group_id,
         num_turns=state.num_turns,
         tool_calls=len(state.records),

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from agentfly_jax.images import IMAGE_PAD, ImageSettings, PreparedImage, image_source, prepare_image
+from agentfly_jax.rollout.tokenizers import LLAMA3_PRETOKENIZER_PATTERN, QWEN_PRETOKENIZER_PATTERN
 
 Message = dict[str, Any]
 
@@ -313,14 +314,23 @@ Part = tuple[int, str, bool]
 
 def _collect(parts: Iterable[Part]) -> tuple[list[TextChunk], dict[int, int]]:
     """The TextChunks of `parts` and where each index's text starts in their joined text."""
-    out = _ChunkWriter()
+    # (_ChunkWriter's joining, written out: this runs for every append of every chain)
+    runs: list[tuple[bool, list[str]]] = []
+    texts: list[str] = []
+    last_generated = None
     starts: dict[int, int] = {}
     offset = 0
     for index, text, generated in parts:
-        starts.setdefault(index, offset)
-        out.add(text, generated)
-        offset += len(text)
-    return out.chunks, starts
+        if index not in starts:
+            starts[index] = offset
+        if text:
+            if generated == last_generated:
+                texts.append(text)
+            else:
+                texts, last_generated = [text], generated
+                runs.append((generated, texts))
+            offset += len(text)
+    return [TextChunk("".join(texts), generated) for generated, texts in runs], starts
 
 
 def _qwen2_5_parts(
@@ -332,7 +342,9 @@ def _qwen2_5_parts(
 ) -> Iterator[Part]:
     if not messages:
         raise ValueError("cannot render an empty conversation: give at least one message")
-    roles = [_role_of(message, index) for index, message in enumerate(messages)]
+    # the roles of the messages rendered and of the one before them (consecutive tool results share a turn)
+    low = max(first - 1, 0)
+    roles = [""] * low + [_role_of(message, index) for index, message in enumerate(messages[low:], low)]
 
     def text_of(message: Message) -> str:
         return _text_of_content(message.get("content"), "qwen2.5", QWEN_VISION_PLACEHOLDERS)
@@ -695,6 +707,104 @@ def _plain_fast_backend(tokenizer: Any) -> Any:
     return backend
 
 
+def _plain_fast_decode_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer with the stock `decode`, else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode"):
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
+        name in vars(tokenizer) for name in ("decode", "_decode")
+    ):
+        return None
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not PreTrainedTokenizerFast._decode:
+        return None
+    return backend
+
+
+class TextDecoder:
+    """`tokenizer.decode(ids, skip_special_tokens=False)`, exactly, with less work for a fast tokenizer.
+
+    transformers' `decode` converts the ids (a pass over them in Python), calls the rust tokenizer's `decode` and
+    then cleans up tokenization spaces when `clean_up_tokenization_spaces` is set. For a fast tokenizer with the
+    stock `decode` and that flag off (Qwen2.5, Llama 3) the rust `decode` is called directly; otherwise (the flag
+    on, checked on every call, a custom or slow tokenizer) everything goes through `tokenizer.decode`.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._backend = _plain_fast_decode_backend(tokenizer)
+
+    def __call__(self, ids: list[int]) -> str:
+        if self._backend is not None and not getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+# The split patterns of the Qwen2.5 and Llama 3 pre-tokenizers (agentfly_jax.rollout.tokenizers spells them out)
+# and what each one does on ASCII text, where \p{L} is [A-Za-z], \p{N} is [0-9], \s and \S are the ASCII ones and
+# the (?i:...) contractions fold ASCII case only. Every ASCII character is a letter, a digit, white space or one
+# of the rest, which the punctuation alternative takes: the matches tile any ASCII text.
+_ASCII_SPLIT_PATTERNS = {
+    QWEN_PRETOKENIZER_PATTERN: r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]"
+    + r"| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    LLAMA3_PRETOKENIZER_PATTERN: r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}"
+    + r"| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_byte_level_ascii: dict[int, str] | None = None
+# Words (pre-tokenizer pieces) a TokenSplitter keeps the ids of; past this it starts over.
+WORD_CACHE_SIZE = 100_000
+
+
+def _ascii_byte_level() -> dict[int, str]:
+    """str.translate table: each ASCII character as the byte-level pre-tokenizer writes it (`Ġ` for a space...)."""
+    global _byte_level_ascii
+    if _byte_level_ascii is None:
+        from tokenizers import pre_tokenizers
+
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        table = {}
+        for code in range(128):
+            [(mapped, _)] = byte_level.pre_tokenize_str(chr(code))
+            table[code] = mapped
+        _byte_level_ascii = table
+    return _byte_level_ascii
+
+
+def _ascii_word_splitter(backend: Any) -> Any:
+    """A compiled `re` pattern that cuts ASCII text exactly as `backend`'s normalizer and pre-tokenizer do, when they
+    are NFC (or none) and a Split by a known pattern (`_ASCII_SPLIT_PATTERNS`, isolated) then a byte-level mapping
+    without its own regex or prefix space, with a BPE model without dropout; else None."""
+    try:
+        normalizer = backend.normalizer
+        if normalizer is not None and json.loads(normalizer.__getstate__()) != {"type": "NFC"}:
+            return None
+        if backend.pre_tokenizer is None or type(backend.model).__name__ != "BPE" or backend.model.dropout:
+            return None
+        state = json.loads(backend.pre_tokenizer.__getstate__())
+    except Exception:  # noqa: BLE001 - a backend that cannot say what it is takes the general path
+        return None
+    steps = state.get("pretokenizers") if state.get("type") == "Sequence" else None
+    if not isinstance(steps, list) or len(steps) != 2:
+        return None
+    split, byte_level = steps
+    pattern = split.get("pattern") if isinstance(split.get("pattern"), dict) else {}
+    ascii_pattern = _ASCII_SPLIT_PATTERNS.get(pattern.get("Regex"))
+    if (
+        ascii_pattern is None
+        or split != {"type": "Split", "pattern": pattern, "behavior": "Isolated", "invert": False}
+        or {key: value for key, value in byte_level.items() if key != "trim_offsets"}
+        != {"type": "ByteLevel", "add_prefix_space": False, "use_regex": False}
+    ):
+        return None
+    return re.compile(ascii_pattern, re.ASCII)
+
+
 class TokenSplitter:
     """`tokenizer.encode(text, add_special_tokens=False)`, exactly, with less work for a fast tokenizer.
 
@@ -713,6 +823,12 @@ class TokenSplitter:
     call checks that nothing that call would change is set: truncation or padding left on the backend by
     an earlier call, `split_special_tokens`, tokens added since. Otherwise, and for any other tokenizer (slow,
     custom `encode`, other added-token options), everything goes through `tokenizer.encode`.
+
+    ASCII pieces of the Qwen2.5 and Llama 3 tokenizers (NFC or no normalizer, their split pattern, byte-level
+    BPE) are cut into the pre-tokenizer's words here (`_ASCII_SPLIT_PATTERNS`: the rust regex is most of the
+    cost of encoding a short text), and each word's ids come from the BPE model itself
+    (`model.tokenize`), kept per word: ids are those of `tokenizer.encode`, which tokenises each word on its own.
+    Other text goes to the rust tokenizer whole.
     """
 
     def __init__(self, tokenizer: Any):
@@ -733,6 +849,10 @@ class TokenSplitter:
             self._pattern = re.compile("|".join(re.escape(content) for content in contents))
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._backend = backend
+        self._words = _ascii_word_splitter(backend)  # None: every piece goes to the rust tokenizer
+        self._word_ids: dict[str, list[int]] = {}
+        self._model = backend.model
+        self._byte_level = _ascii_byte_level() if self._words is not None else {}
 
     @property
     def uses_fast_path(self) -> bool:
@@ -764,14 +884,43 @@ class TokenSplitter:
             pieces.append((text[cursor:], None))
         return pieces
 
+    def _piece_ids(self, piece: str) -> list[int]:
+        """The ids of a piece that holds no added token (a new list)."""
+        if self._words is None or not piece.isascii():
+            return self._backend.encode(piece, add_special_tokens=False).ids
+        word_ids, ids = self._word_ids, []
+        for word in self._words.findall(piece):
+            known = word_ids.get(word)
+            if known is None:
+                if len(word_ids) >= WORD_CACHE_SIZE:
+                    word_ids.clear()
+                mapped = word.translate(self._byte_level)
+                known = word_ids[word] = [token.id for token in self._model.tokenize(mapped)]
+            ids += known
+        return ids
+
     def encode(self, text: str, cache: dict[str, list[int]] | None = None) -> list[int]:
-        """The ids of `text`; with `cache`, pieces between added tokens are looked up there (and stored)."""
+        """The ids of `text`; with `cache`, the text and the pieces between its added tokens are looked up there
+        (and stored)."""
         if not text:
             return []
         if not self._fast():
             return _encode_text(self.tokenizer, text)
         if cache is None:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            if self._words is None or not text.isascii():
+                return self._backend.encode(text, add_special_tokens=False).ids
+            ids = []
+            for piece, token_id in self._pieces(text):
+                if token_id is not None:
+                    ids.append(token_id)
+                else:
+                    ids += self._piece_ids(piece)
+            return ids
+        # The whole text first (the chains of a task repeat their prompt's chunks), then its pieces. One dict
+        # serves both: each key maps to the ids of that very text.
+        known = cache.get(text)
+        if known is not None:
+            return list(known)
         ids: list[int] = []
         for piece, token_id in self._pieces(text):
             if token_id is not None:
@@ -779,8 +928,9 @@ class TokenSplitter:
                 continue
             piece_ids = cache.get(piece)
             if piece_ids is None:
-                piece_ids = cache[piece] = self._backend.encode(piece, add_special_tokens=False).ids
+                piece_ids = cache[piece] = self._piece_ids(piece)
             ids.extend(piece_ids)
+        cache[text] = list(ids)
         return ids
 
     def last_id(self, text: str) -> int | None:
@@ -798,7 +948,7 @@ class TokenSplitter:
             if last is not None and last.end() == end:
                 return self._token_ids[last.group()]
             start = last.end() if last is not None else 0
-            ids = self._backend.encode(text[start:end], add_special_tokens=False).ids
+            ids = self._piece_ids(text[start:end])
             if ids:
                 return ids[-1]
             end = start  # the piece gave no ids: the last id is further back (the token before it, if any)
@@ -819,9 +969,17 @@ class EncoderCache:
         self.prompt_pieces: dict[str, list[int]] = {}
         self._end_ids: dict[str | None, frozenset[int]] = {}
         self._image_pad_id: int | None = None
+        self._vision_pad_ids: frozenset[int] | None = None
         # prompt images prepared once per rollout: (settings, source key) -> (source, PreparedImage); the source is
         # kept so that an id() key is not reused by another object meanwhile
         self._prompt_images: dict[tuple, tuple[Any, PreparedImage]] = {}
+
+    @property
+    def vision_pad_ids(self) -> frozenset[int]:
+        """`vision_pad_ids(tokenizer)`, worked out once per rollout."""
+        if self._vision_pad_ids is None:
+            self._vision_pad_ids = vision_pad_ids(self.tokenizer)
+        return self._vision_pad_ids
 
     @property
     def image_pad_id(self) -> int:

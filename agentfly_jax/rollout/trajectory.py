@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections.abc import Sequence
 from itertools import compress
 from typing import Any
@@ -82,8 +81,8 @@ class Trajectory:
     def __post_init__(self):
         # The checks below run at C speed on valid input (a rollout builds one Trajectory per chain, all at
         # the end); the position of the first bad entry is searched for only to report it.
-        self.token_ids = list(map(int, self.token_ids))
-        self.action_mask = list(map(int, self.action_mask))
+        self.token_ids = _int_list(self.token_ids)
+        self.action_mask = _int_list(self.action_mask)
         self.sampler_logprobs = list(map(float, self.sampler_logprobs))
         self.flags = set(self.flags)
         length = len(self.token_ids)
@@ -111,8 +110,11 @@ class Trajectory:
                 f"Trajectory.sampler_logprobs is not finite at position {bad_logprob}: "
                 f"{self.sampler_logprobs[bad_logprob]}"
             )
-        # a non-zero logprob where the mask is 0 (bits are 0/1 here, logprobs finite: non-zero = truthy)
-        if any(compress(self.sampler_logprobs, map(operator.not_, self.action_mask))):
+        # a non-zero logprob where the mask is 0 (bits are 0/1 here, logprobs finite): fewer zeros among the
+        # unsampled logprobs (all zeros less the sampled ones') than unsampled tokens
+        sampled_logprobs = list(compress(self.sampler_logprobs, self.action_mask))
+        unsampled_zeros = self.sampler_logprobs.count(0.0) - sampled_logprobs.count(0.0)
+        if unsampled_zeros != length - len(sampled_logprobs):
             unsampled = _first(
                 bit == 0 and logprob != 0.0 for bit, logprob in zip(self.action_mask, self.sampler_logprobs)
             )
@@ -156,23 +158,29 @@ class Trajectory:
         if self.token_versions is None:
             version = 0 if self.policy_version is None else self.policy_version
             self.token_versions = [version if bit else -1 for bit in self.action_mask]
+            sampled = list(compress(self.token_versions, self.action_mask))
         else:
             if len(self.token_versions) != len(self.token_ids):
                 raise ValueError(
                     f"Trajectory.token_versions has {len(self.token_versions)} entries but token_ids has "
                     f"{len(self.token_ids)}: both must have one entry per token"
                 )
-            if not set(map(type, self.token_versions)) <= {int}:  # plain ints pass without the per-entry test
+            if set(map(type, self.token_versions)) <= {int}:  # plain ints pass without the per-entry test
+                self.token_versions = list(self.token_versions)
+            else:
                 bad = _first(not _is_int(version) for version in self.token_versions)
                 if bad is not None:
                     raise ValueError(
                         f"Trajectory.token_versions must be ints, got {self.token_versions[bad]!r} "
                         f"at position {bad}"
                     )
-            self.token_versions = list(map(int, self.token_versions))
-            if min(compress(self.token_versions, self.action_mask), default=0) < 0 or not set(
-                compress(self.token_versions, map(operator.not_, self.action_mask))
-            ) <= {-1}:
+                self.token_versions = list(map(int, self.token_versions))
+            # sampled versions non-negative, and -1 on every other token: with no -1 among the sampled, as many
+            # -1s as unsampled tokens
+            sampled = list(compress(self.token_versions, self.action_mask))
+            if min(sampled, default=0) < 0 or self.token_versions.count(-1) != len(self.token_versions) - len(
+                sampled
+            ):
                 bad = _first(
                     (version < 0) if bit else (version != -1)
                     for bit, version in zip(self.action_mask, self.token_versions)
@@ -182,7 +190,6 @@ class Trajectory:
                     f"is {self.action_mask[bad]}: sampled tokens carry the (non-negative) weight version that "
                     "sampled them, the others -1"
                 )
-        sampled = list(compress(self.token_versions, self.action_mask))
         if not sampled:
             self.policy_version = 0 if self.policy_version is None else self.policy_version
             if self.policy_version_max is None:
@@ -221,6 +228,12 @@ class Trajectory:
     def chain_error(self) -> bool:
         """Whether the chain ended in a runtime error (its reward says nothing about the policy)."""
         return CHAIN_ERROR_FLAG in self.flags or self.finish_reason == "error"
+
+
+def _int_list(values) -> list[int]:
+    """`list(map(int, values))`: a plain copy when every entry is an int already (a rollout's lists)."""
+    values = list(values)
+    return values if set(map(type, values)) <= {int} else list(map(int, values))
 
 
 def _is_int(value) -> bool:

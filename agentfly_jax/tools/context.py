@@ -55,6 +55,7 @@ class ToolContext:
         self._envs: dict[str, Any] = {}
         self._acquire_locks: dict[str, asyncio.Lock] = {}
         self._use_locks: dict[str, asyncio.Lock] = {}
+        self._releases = 0  # environments put on _stack to release
         self._closed = False
 
     @property
@@ -93,6 +94,7 @@ class ToolContext:
                 await env_stack.aclose()
                 raise
             self._stack.push_async_callback(env_stack.aclose)
+            self._releases += 1
             self._envs[pool] = env
             return env
 
@@ -104,6 +106,9 @@ class ToolContext:
         """
         self._closed = True
         self._envs.clear()
+        if not self._releases:
+            return  # nothing acquired (most chains of tool-only agents): no task to run
+        self._releases = 0
         closing = asyncio.ensure_future(self._stack.aclose())
         cancelled = False
         while not closing.done():

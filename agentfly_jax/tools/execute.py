@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -125,7 +127,7 @@ class _Slots:
         self._waiting: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
-    def take(self, call: "_SyncCall") -> bool:
+    def take(self, call: _SyncCall) -> bool:
         """True when a slot was free (now the call's); otherwise the call waits for `release` to start it."""
         with self._lock:
             if self._free > 0 and not self._waiting:
@@ -144,7 +146,7 @@ class _Slots:
             if call._begin():  # a call stopped while it waited does not take the slot: try the next
                 return
 
-    def discard(self, call: "_SyncCall") -> None:
+    def discard(self, call: _SyncCall) -> None:
         with self._lock:
             try:
                 self._waiting.remove(call)
@@ -293,6 +295,113 @@ def _abandon_task(task: asyncio.Task) -> None:
     task.add_done_callback(ended)
 
 
+_NO_CONTEXT = contextvars.Context()
+
+
+def _wake(waiter: asyncio.Future, _outcome: Any = None) -> None:
+    """Wakes a waiter (a call settled), once."""
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class _LimitedCall:
+    """One call under its limit, kept by loop callbacks alone, so that no task has to wait on it (see
+    `call_with_limit` for what happens at the limit). `on_settled()` is called once the outcome is known: the
+    function ended ("done"), or its limit passed and it was stopped or abandoned ("timed_out"); `ended_at` is when
+    (perf_counter). Its callbacks read no context variable: they run in one empty context, not a copy each."""
+
+    __slots__ = ("abandoned", "ended_at", "limit_s", "loop", "on_settled", "outcome", "running", "state", "timer")
+
+    def __init__(self, function: Any, arguments: dict[str, Any], is_async: bool, limit_s: float | None,
+                 loop: asyncio.AbstractEventLoop, on_settled: Any):
+        self.loop, self.limit_s, self.on_settled = loop, limit_s, on_settled
+        self.state = "running"  # -> done; -> stopping (cancelled at the limit) -> timed_out; -> timed_out
+        self.abandoned = False
+        self.ended_at = 0.0
+        if is_async:
+            self.running: Any = loop.create_task(_call_async(function, arguments))
+            self.outcome: asyncio.Future = self.running
+        else:
+            self.running = _SyncCall(function, arguments, loop)
+            self.outcome = self.running.future
+        self.outcome.add_done_callback(self._ended, context=_NO_CONTEXT)
+        self.timer = None
+        if limit_s is not None and not math.isinf(limit_s):
+            self.timer = loop.call_later(limit_s, self._expired, context=_NO_CONTEXT)
+
+    def _settle(self, state: str) -> None:
+        self.state = state
+        self.ended_at = time.perf_counter()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.on_settled()
+
+    def _ended(self, _outcome: Any) -> None:
+        if self.state == "running":
+            self._settle("done")
+        elif self.state == "stopping":  # it ended after being cancelled at its limit
+            if not self.outcome.cancelled():
+                self.outcome.exception()  # consumed: it came past the limit and is not used
+            self._settle("timed_out")
+
+    def _expired(self) -> None:
+        self.timer = None
+        if self.state != "running" or self.outcome.done():
+            return  # it ended in time (its done callback settles it)
+        if isinstance(self.running, _SyncCall):
+            self.abandoned = self.running.stop()  # a thread cannot be stopped: abandoned when still running
+            self._settle("timed_out")
+        else:
+            self.running.cancel()
+            self.state = "stopping"
+            self.timer = self.loop.call_later(CANCEL_GRACE_S, self._grace_over, context=_NO_CONTEXT)
+
+    def _grace_over(self) -> None:
+        self.timer = None
+        if self.state == "stopping" and not self.running.done():  # it swallows cancellation: abandoned
+            self.abandoned = True
+            _abandon_task(self.running)
+            self._settle("timed_out")
+
+    def result(self) -> Any:
+        """The function's value once settled; raises what it raised, or CallTimedOut."""
+        if self.state == "timed_out":
+            raise CallTimedOut(self.limit_s, abandoned=self.abandoned)
+        return self.outcome.result()
+
+
+async def _stop_calls(calls: Sequence[_LimitedCall]) -> None:
+    """The caller is being cancelled: stop the calls not settled yet, together, as at their limit (async ones
+    cancelled and given CANCEL_GRACE_S to end, then abandoned; sync ones abandoned at once when running)."""
+    stopping = []
+    for call in calls:
+        if call.state == "done" and not call.outcome.cancelled():
+            call.outcome.exception()  # its outcome is not used: consumed, so that nothing logs it as lost
+        if call.state == "running":
+            if call.timer is not None:
+                call.timer.cancel()
+                call.timer = None
+            if isinstance(call.running, _SyncCall):
+                call.state = "timed_out"
+                call.abandoned = call.running.stop()
+                continue
+            call.running.cancel()
+            call.state = "stopping"
+        if call.state == "stopping":
+            stopping.append(call)
+    if not stopping:
+        return
+    try:
+        await asyncio.wait([call.running for call in stopping], timeout=CANCEL_GRACE_S)
+    finally:  # also when the caller is cancelled again meanwhile
+        for call in stopping:
+            if call.state == "stopping" and not call.running.done():
+                call.abandoned = True
+                _abandon_task(call.running)
+                call._settle("timed_out")
+
+
 async def call_with_limit(function: Any, arguments: dict[str, Any], *, is_async: bool, limit_s: float | None) -> Any:
     """`function(**arguments)`'s value (async functions in their own task, sync ones on their own thread).
 
@@ -303,37 +412,15 @@ async def call_with_limit(function: Any, arguments: dict[str, Any], *, is_async:
     past it. A SystemExit/KeyboardInterrupt/... the function raises comes back as CallRaisedBaseException.
     Cancelling the caller stops the call the same way and propagates.
     """
-    if is_async:
-        running: Any = asyncio.ensure_future(_call_async(function, arguments))
-        outcome = running
-    else:
-        running = _SyncCall(function, arguments, asyncio.get_running_loop())
-        outcome = running.future
-    unlimited = limit_s is None or math.isinf(limit_s)
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    call = _LimitedCall(function, arguments, is_async, limit_s, loop, functools.partial(_wake, waiter))
     try:
-        done, _ = await asyncio.wait({outcome}, timeout=None if unlimited else limit_s)
+        await waiter
     except asyncio.CancelledError:
-        await _stop(running)
+        await _stop_calls([call])
         raise
-    if done:
-        return outcome.result()
-    raise CallTimedOut(limit_s, abandoned=await _stop(running))
-
-
-async def _stop(running: Any) -> bool:
-    """Stop a call (see `call_with_limit`); True when it was abandoned still running."""
-    if isinstance(running, _SyncCall):
-        return running.stop()
-    running.cancel()
-    try:
-        await asyncio.wait({running}, timeout=CANCEL_GRACE_S)
-    finally:  # also when the caller is cancelled again meanwhile
-        abandoned = not running.done()
-        if abandoned:
-            _abandon_task(running)
-        elif not running.cancelled():
-            running.exception()  # it ended after all; its outcome came past the limit and is not used
-    return abandoned
+    return call.result()
 
 
 @dataclasses.dataclass
@@ -527,20 +614,29 @@ async def execute_tool_call(
     )
 
 
-async def _execute_tool_call(
+class _Plan:
+    """A checked call, ready to run: its tool, checked arguments, what the function gets, and its limit."""
+
+    __slots__ = ("arguments", "arguments_in", "limit_s", "started", "tool")
+
+    def __init__(self, tool: Tool, arguments: dict[str, Any], arguments_in: dict[str, Any], limit_s: float):
+        self.tool, self.arguments, self.arguments_in, self.limit_s = tool, arguments, arguments_in, limit_s
+        self.started = 0.0
+
+
+def _plan(
     call: ToolCall | str | Mapping[str, Any],
     tools: Mapping[str, Tool] | Iterable[Any],
-    *,
     timeout: float | None,
-    max_observation_chars: int | None,
     context: ToolContext | None,
-) -> ToolResult:
+) -> _Plan | ToolResult:
+    """The call parsed, its tool found and its arguments checked; or the failure that ends it before it runs."""
     if not isinstance(call, ToolCall):
         parsed = _call_from_raw(call)
         if isinstance(parsed, ToolResult):
             return parsed
         call = parsed
-    surrogate = lone_surrogate_in([call.name, call.arguments])
+    surrogate = lone_surrogate_in(call.arguments) or lone_surrogate_in(call.name)  # (as one walk of both finds)
     if surrogate is not None:  # the parsers refuse these; calls made in Python are checked here
         return _failure(
             "bad_arguments",
@@ -571,6 +667,50 @@ async def _execute_tool_call(
         arguments_in = dict(arguments)
     limit_s = tool.timeout if tool.timeout is not None else timeout
     limit_s = DEFAULT_TOOL_TIMEOUT_S if limit_s is None else limit_s
+    return _Plan(tool, arguments, arguments_in, limit_s)
+
+
+def _call_failure(plan: _Plan, error: Exception, latency_s: float) -> ToolResult:
+    """The ToolResult of a call that timed out or raised (`error`: what `call_with_limit` raised)."""
+    tool, arguments = plan.tool, plan.arguments
+    if isinstance(error, CallTimedOut):
+        retired = error.abandoned and retire_environment(plan.arguments_in.get(ENV_PARAMETER))
+        return _failure(
+            "timeout",
+            f"tool '{tool.name}' did not finish within {plan.limit_s:g} s and was stopped"
+            + (" (it ignored being cancelled and was abandoned)" if error.abandoned else "")
+            + ("; its environment will not be reused after this episode" if retired else ""),
+            name=tool.name,
+            arguments=arguments,
+            latency_s=latency_s,
+            abandoned=error.abandoned,
+        )
+    if isinstance(error, CallRaisedBaseException):  # SystemExit, KeyboardInterrupt, ... from the tool's code
+        return _failure(
+            "tool_exception", f"tool '{tool.name}' raised {error}", name=tool.name, arguments=arguments,
+            latency_s=latency_s,
+        )
+    return _failure(  # a raising tool becomes an observation
+        "tool_exception",
+        f"tool '{tool.name}' raised {type(error).__name__}: {_text_of(error)}",
+        name=tool.name,
+        arguments=arguments,
+        latency_s=latency_s,
+    )
+
+
+async def _execute_tool_call(
+    call: ToolCall | str | Mapping[str, Any],
+    tools: Mapping[str, Tool] | Iterable[Any],
+    *,
+    timeout: float | None,
+    max_observation_chars: int | None,
+    context: ToolContext | None,
+) -> ToolResult:
+    plan = _plan(call, tools, timeout, context)
+    if isinstance(plan, ToolResult):
+        return plan
+    tool, arguments, arguments_in, limit_s = plan.tool, plan.arguments, plan.arguments_in, plan.limit_s
     started = time.perf_counter()
     try:
         if tool.stateful:
@@ -596,59 +736,77 @@ async def _execute_tool_call(
                         arguments=arguments,
                     )
                 started = time.perf_counter()
-                result = await _run_with_timeout(tool, arguments_in, limit_s)
+                result = await call_with_limit(
+                    tool.bound_function, arguments_in, is_async=tool.is_async, limit_s=limit_s
+                )
         else:
-            result = await _run_with_timeout(tool, arguments_in, limit_s)
-    except CallTimedOut as stopped:
-        retired = stopped.abandoned and retire_environment(arguments_in.get(ENV_PARAMETER))
-        return _failure(
-            "timeout",
-            f"tool '{tool.name}' did not finish within {limit_s:g} s and was stopped"
-            + (" (it ignored being cancelled and was abandoned)" if stopped.abandoned else "")
-            + ("; its environment will not be reused after this episode" if retired else ""),
-            name=tool.name,
-            arguments=arguments,
-            latency_s=time.perf_counter() - started,
-            abandoned=stopped.abandoned,
-        )
-    except CallRaisedBaseException as error:  # SystemExit, KeyboardInterrupt, ... from the tool's code
-        return _failure(
-            "tool_exception",
-            f"tool '{tool.name}' raised {error}",
-            name=tool.name,
-            arguments=arguments,
-            latency_s=time.perf_counter() - started,
-        )
-    except Exception as error:  # noqa: BLE001 - a raising tool becomes an observation
-        return _failure(
-            "tool_exception",
-            f"tool '{tool.name}' raised {type(error).__name__}: {_text_of(error)}",
-            name=tool.name,
-            arguments=arguments,
-            latency_s=time.perf_counter() - started,
-        )
-    latency_s = time.perf_counter() - started
+            result = await call_with_limit(
+                tool.bound_function, arguments_in, is_async=tool.is_async, limit_s=limit_s
+            )
+    except (CallTimedOut, CallRaisedBaseException, Exception) as error:  # noqa: BLE001 - an observation
+        return _call_failure(plan, error, time.perf_counter() - started)
+    return await _tool_result(tool, arguments, result, time.perf_counter() - started, max_observation_chars)
+
+
+async def _tool_result(
+    tool: Tool, arguments: dict[str, Any], result: Any, latency_s: float, max_observation_chars: int | None
+) -> ToolResult:
+    """The ToolResult of what a tool returned (its observation checked, images loaded, long text truncated)."""
+    read = _read_result(tool, arguments, result, latency_s)
+    if isinstance(read, ToolResult):
+        return read
+    observation, extras = read
+    return await _with_images(tool, arguments, observation, extras, latency_s, max_observation_chars)
+
+
+def _read_result(
+    tool: Tool, arguments: dict[str, Any], result: Any, latency_s: float
+) -> ToolResult | tuple[str | list[Mapping[str, Any]], dict[str, Any]]:
+    """(observation, extras) of what a tool returned, or the failure when it is no observation."""
     try:
-        observation, extras = _observation_of(tool, result)
+        return _observation_of(tool, result)
     except TypeError as error:
         return _failure("tool_exception", str(error), name=tool.name, arguments=arguments, latency_s=latency_s)
-    parts = None
-    if not isinstance(observation, str):
-        try:
-            parts = await asyncio.to_thread(_loaded_parts, observation)
-        except _BadImage as bad:
-            return _failure(
-                "bad_image",
-                f"tool '{tool.name}' returned an image that cannot be used (part {bad.index}): {bad.reason}",
-                name=tool.name,
-                arguments=arguments,
-                extras=extras,
-                latency_s=latency_s,
-            )
-        observation = "".join(part["text"] for part in parts if part["type"] == "text")
-        if not any(part["type"] == "image" for part in parts):
-            parts = None  # text parts only: the same as returning their text
 
+
+async def _with_images(
+    tool: Tool,
+    arguments: dict[str, Any],
+    observation: list[Mapping[str, Any]],
+    extras: dict[str, Any],
+    latency_s: float,
+    max_observation_chars: int | None,
+) -> ToolResult:
+    """The ToolResult of content parts, their images loaded off the event loop (text: `_text_result`)."""
+    if isinstance(observation, str):
+        return _text_result(tool, arguments, observation, extras, latency_s, max_observation_chars)
+    try:
+        parts = await asyncio.to_thread(_loaded_parts, observation)
+    except _BadImage as bad:
+        return _failure(
+            "bad_image",
+            f"tool '{tool.name}' returned an image that cannot be used (part {bad.index}): {bad.reason}",
+            name=tool.name,
+            arguments=arguments,
+            extras=extras,
+            latency_s=latency_s,
+        )
+    text = "".join(part["text"] for part in parts if part["type"] == "text")
+    if not any(part["type"] == "image" for part in parts):
+        parts = None  # text parts only: the same as returning their text
+    return _text_result(tool, arguments, text, extras, latency_s, max_observation_chars, parts)
+
+
+def _text_result(
+    tool: Tool,
+    arguments: dict[str, Any],
+    observation: str,
+    extras: dict[str, Any],
+    latency_s: float,
+    max_observation_chars: int | None,
+    parts: list[dict[str, Any]] | None = None,
+) -> ToolResult:
+    """The ToolResult of an observation's text (and loaded parts), truncated past the limit."""
     max_chars = tool.max_observation_chars or max_observation_chars or DEFAULT_MAX_OBSERVATION_CHARS
     if len(observation) > max_chars:
         note = (
@@ -715,16 +873,15 @@ def _truncated_parts(parts: list[dict[str, Any]], max_chars: int, note: str) -> 
     return kept + [{"type": "text", "text": note}]
 
 
-async def _run_with_timeout(tool: Tool, arguments: dict[str, Any], limit_s: float) -> Any:
-    return await call_with_limit(tool.bound_function, arguments, is_async=tool.is_async, limit_s=limit_s)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _without_surrogates(text: str) -> tuple[str, int]:
     """`text` with each lone surrogate written as its escape (`\\ud800`), and how many there were: such text
     cannot be encoded (the tokenizer, UTF-8 logs), so no observation may hold one."""
-    count = sum(1 for character in text if "\ud800" <= character <= "\udfff")
-    if not count:
+    if not _LONE_SURROGATE.search(text):  # (a regex scan: observations are often long)
         return text, 0
+    count = sum(1 for character in text if "\ud800" <= character <= "\udfff")
     return text.encode("utf-8", "backslashreplace").decode("utf-8"), count
 
 
@@ -762,6 +919,64 @@ async def execute_tool_calls(
     """Run several calls, concurrently by default (results in call order); see `execute_tool_call`."""
     table = as_tool_table(tools)
     options = {"timeout": timeout, "max_observation_chars": max_observation_chars, "context": context}
-    if not parallel:
-        return [await execute_tool_call(call, table, **options) for call in calls]
-    return list(await asyncio.gather(*(execute_tool_call(call, table, **options) for call in calls)))
+    if not parallel or len(calls) < 2:  # (one call needs no task of its own)
+        return [_encodable(await _execute_tool_call(call, table, **options)) for call in calls]
+    plans = [_plan(call, table, timeout, context) for call in calls]
+    if any(isinstance(plan, _Plan) and plan.tool.stateful for plan in plans):
+        # a stateful call waits for its environment first: each call in a task of its own
+        results = await asyncio.gather(*(_execute_tool_call(call, table, **options) for call in calls))
+        return [_encodable(result) for result in results]
+    return [_encodable(result) for result in await _run_concurrently(plans, max_observation_chars)]
+
+
+async def _run_concurrently(plans: list[_Plan | ToolResult], max_observation_chars: int | None) -> list[ToolResult]:
+    """Runs the planned calls together, each under its limit (`_LimitedCall`: the function's own task or thread and
+    loop callbacks, no task per call to wait on it), and returns every call's ToolResult in order once all have
+    settled. Cancelling the caller stops them all, as `call_with_limit` does, and propagates."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    started = [plan for plan in plans if isinstance(plan, _Plan)]
+    unsettled = len(started)
+
+    def settled() -> None:
+        nonlocal unsettled
+        unsettled -= 1
+        if not unsettled and not waiter.done():
+            waiter.set_result(None)
+
+    calls: dict[int, _LimitedCall] = {}
+    for plan in started:
+        plan.started = time.perf_counter()
+        calls[id(plan)] = _LimitedCall(
+            plan.tool.bound_function, plan.arguments_in, plan.tool.is_async, plan.limit_s, loop, settled
+        )
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        await _stop_calls(list(calls.values()))
+        raise
+    results: list[Any] = []
+    for plan in plans:
+        if isinstance(plan, ToolResult):
+            results.append(plan)
+            continue
+        call = calls[id(plan)]
+        latency_s = call.ended_at - plan.started
+        try:
+            value = call.result()
+        except (CallTimedOut, CallRaisedBaseException, Exception) as error:  # noqa: BLE001 - an observation
+            results.append(_call_failure(plan, error, latency_s))
+            continue
+        read = _read_result(plan.tool, plan.arguments, value, latency_s)
+        if isinstance(read, ToolResult):
+            results.append(read)
+        elif isinstance(read[0], str):
+            results.append(_text_result(plan.tool, plan.arguments, *read, latency_s, max_observation_chars))
+        else:  # content parts: their images are loaded (off the loop) for all such calls together, below
+            results.append(_with_images(plan.tool, plan.arguments, *read, latency_s, max_observation_chars))
+    pending = [index for index, result in enumerate(results) if not isinstance(result, ToolResult)]
+    if pending:
+        done = await asyncio.gather(*(results[index] for index in pending))
+        for index, result in zip(pending, done):
+            results[index] = result
+    return results

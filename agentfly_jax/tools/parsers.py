@@ -7,6 +7,7 @@ Every parser takes the decoded assistant text and returns a `ParseResult`; malfo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import sys
@@ -59,6 +60,17 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def lone_surrogate_in(value: Any) -> str | None:
     """The first lone surrogate in the strings (and keys) of a value made of dicts, lists and tuples, written as
     an escape like `\\ud800`; None when there is none. Walks without recursion (any depth, cycles too)."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return f"\\u{ord(found.group()):04x}" if found else None
+    # The common case, a flat dict of strings (a call's arguments): one search over its keys and values (the
+    # separator is no surrogate: a match lies inside one of them); the walk below finds which when one does.
+    if (
+        isinstance(value, dict)
+        and all(isinstance(item, str) for item in itertools.chain(value, value.values()))
+        and not _SURROGATE.search("\0".join(itertools.chain(value, value.values())))
+    ):
+        return None
     stack, seen = [value], set()
     while stack:
         item = stack.pop()
@@ -87,9 +99,12 @@ def load_json(text: str, *, prefix: bool = False) -> tuple[Any, int] | str:
     except ValueError:
         # json raises a plain ValueError only from int(): the number has more digits than Python converts.
         return f"an integer in it has more than {sys.get_int_max_str_digits()} digits"
-    surrogate = lone_surrogate_in(value)
-    if surrogate is not None:
-        return f"a string in it holds {surrogate}, half of a surrogate pair, which is not a character"
+    # A decoded string holds a surrogate only from the text's own characters or a \\u escape: text with neither
+    # (nearly every call) needs no walk of what it decoded to.
+    if "\\u" in text or _SURROGATE.search(text):
+        surrogate = lone_surrogate_in(value)
+        if surrogate is not None:
+            return f"a string in it holds {surrogate}, half of a surrogate pair, which is not a character"
     return value, end
 
 

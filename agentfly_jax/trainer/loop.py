@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 
 from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
+from agentfly_jax.heap import freeze_startup_heap, unfreeze_startup_heap
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
@@ -89,6 +91,7 @@ class Run:
     serve_params: Any = None  # policy params -> the serving model's params (LoRA: adapters merged)
     trainable: Any = None  # which policy parameters are trained (LoRA: the adapters); None: all
     engine_seen: dict = dataclasses.field(default_factory=dict)  # the sampler's cumulative counters, last logged
+    heap_frozen: bool = False  # setup froze the start-up heap (agentfly_jax/heap.py); _close_run gives it back
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -222,11 +225,17 @@ def setup(config, workdir: str | None = None) -> Run:
         close_runner(runner)
         raise
 
-    return Run(config=cfg, algorithm=alg, workdir=workdir, task_setup=task_setup, tokenizer=tokenizer,
-               train_tasks=train_tasks, eval_tasks=eval_tasks, policy=policy, critic=critic, mesh=mesh, rules=rules,
-               state=state, shardings=shardings, critic_opt=critic_opt, prepare_fn=prepare_fn, train_step=train_step,
-               backend=backend, agent=agent, env_manager=env_manager, writer=writer, checkpointer=checkpointer,
-               runner=runner, serving_model=serving_model, serve_params=serve_params, trainable=trainable)
+    run = Run(config=cfg, algorithm=alg, workdir=workdir, task_setup=task_setup, tokenizer=tokenizer,
+              train_tasks=train_tasks, eval_tasks=eval_tasks, policy=policy, critic=critic, mesh=mesh, rules=rules,
+              state=state, shardings=shardings, critic_opt=critic_opt, prepare_fn=prepare_fn, train_step=train_step,
+              backend=backend, agent=agent, env_manager=env_manager, writer=writer, checkpointer=checkpointer,
+              runner=runner, serving_model=serving_model, serve_params=serve_params, trainable=trainable)
+    # Everything made so far (imports, models, tokenizer, agent) lives as long as the run: frozen out of the garbage
+    # collector's reach, so that the full collections the rollouts set off walk only what the steps make
+    # (docs/benchmarks.md, "Rollout runtime overhead at 256 chains").
+    run.heap_frozen = freeze_startup_heap()
+    log.info("start-up heap frozen: %d objects left out of garbage collection", gc.get_freeze_count())
+    return run
 
 
 # ============================================================================================ SFT stage
@@ -968,6 +977,8 @@ def _close_run(run: Run) -> None:
         except Exception as exc:  # noqa: BLE001 - collected and re-raised below
             log.error("closing the run: %s: %s", type(exc).__name__, exc)
             errors.append(exc)
+    unfreeze_startup_heap(run.heap_frozen)  # the run's start-up objects are collectable again
+    run.heap_frozen = False
     if errors:
         raise errors[0]
 

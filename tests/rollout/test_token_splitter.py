@@ -12,7 +12,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from agentfly_jax.rollout.templates import ConversationEncoder, EncoderCache, TokenSplitter
+from agentfly_jax.rollout import templates
+from agentfly_jax.rollout.templates import ConversationEncoder, EncoderCache, TextDecoder, TokenSplitter
 from tests.rollout.conversations import CONVERSATIONS, TOOLS
 
 # Pieces that make hard text: combining accents (NFC joins them across what would be piece boundaries),
@@ -193,3 +194,85 @@ def test_encoders_sharing_a_cache_give_the_ids_of_encoders_alone(qwen_tokenizer,
 def test_a_cache_belongs_to_one_tokenizer(qwen_tokenizer, llama3_tokenizer):
     with pytest.raises(ValueError, match="another tokenizer"):
         ConversationEncoder(llama3_tokenizer, chat_template="llama3", cache=EncoderCache(qwen_tokenizer))
+
+
+# ASCII text: quotes before letters in either case (the contractions), runs of white space of every kind, control
+# characters, digits in runs (Llama 3 groups up to three), punctuation runs before newlines, escapes.
+ASCII_PIECES = [
+    "'s", "'S", "'re", "'LL", "'d", "'", "''t", " 's", "a", "Ab", " x", "  ", "   ", "\t", "\n", "\r", "\r\n", "\n\n",
+    " \n", "\n ", " \t ", "\x0b", "\x0c", "\x00", "\x1f", "\x7f", "1", "1234", "12345", " 1", "!", " !", "?!\n", "</",
+    "_", "...", '"', "\\u00e9", "value of k", "<tool_response>\n",
+]
+
+
+def ascii_texts(tokenizer, count, seed=0):
+    rng = random.Random(seed)
+    added = sorted(tokenizer.get_added_vocab())
+    texts = []
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.randint(0, 14)):
+            draw = rng.random()
+            if draw < 0.55:
+                parts.append(rng.choice(ASCII_PIECES))
+            elif draw < 0.8:
+                parts.append(chr(rng.randrange(128)))
+            elif draw < 0.92:
+                parts.append("".join(chr(rng.randrange(32, 127)) for _ in range(rng.randint(1, 8))))
+            else:
+                parts.append(rng.choice(added))
+        texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.parametrize("fixture", ["qwen_tokenizer", "llama3_tokenizer"])
+def test_ascii_text_cut_into_words_here_gives_the_tokenizers_ids(fixture, request, monkeypatch):
+    tokenizer = request.getfixturevalue(fixture)
+    splitter = TokenSplitter(tokenizer)
+    assert splitter._words is not None  # their ASCII pieces are pre-tokenised here, each word's ids kept
+    texts = ascii_texts(tokenizer, 1500, seed=len(fixture))
+    assert all(text.isascii() for text in texts)
+    monkeypatch.setattr(templates, "WORD_CACHE_SIZE", 40)  # a full word cache starts over
+    assert_like_encode(splitter, tokenizer, texts, cache={})
+    assert 0 < len(splitter._word_ids) <= 40
+    assert_like_encode(splitter, tokenizer, random_texts(tokenizer, 200, seed=3))  # non-ASCII text: rust, whole
+
+
+def test_other_pre_tokenizers_are_not_cut_here(qwen_tokenizer):
+    # GPT-2's byte-level regex (not a known split pattern), and a known pattern after another normaliser
+    assert TokenSplitter(small_tokenizer([plain("<a>")]))._words is None
+    other = small_tokenizer([plain("<a>")])
+    other.backend_tokenizer.pre_tokenizer = qwen_tokenizer.backend_tokenizer.pre_tokenizer
+    assert TokenSplitter(other)._words is not None
+    other.backend_tokenizer.normalizer = normalizers.Lowercase()
+    splitter = TokenSplitter(other)
+    assert splitter._words is None
+    assert_like_encode(splitter, other, ["Hello World<a>X", "ABC 's"] + ascii_texts(other, 100))
+
+
+@pytest.mark.parametrize("fixture", ["qwen_tokenizer", "llama3_tokenizer"])
+def test_text_decoder_gives_the_tokenizers_text(fixture, request):
+    tokenizer = request.getfixturevalue(fixture)
+    decoder = TextDecoder(tokenizer)
+    assert decoder._backend is not None  # transformers' per-call conversions are skipped
+    rng = random.Random(1)
+    special = sorted(tokenizer.get_added_vocab().values())
+    for _ in range(300):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(120_000) for _ in range(rng.randint(0, 30))]
+        assert decoder(ids) == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_text_decoder_keeps_a_custom_decode_and_the_clean_up_flag():
+    class Shouting(PreTrainedTokenizerFast):
+        def decode(self, ids, **options):
+            return super().decode(ids, **options).upper()
+
+    shouting = Shouting(tokenizer_object=small_tokenizer([plain("<a>")]).backend_tokenizer)
+    ids = shouting.encode("hello world<a>", add_special_tokens=False)
+    assert TextDecoder(shouting)(ids) == "HELLO WORLD<A>"
+    tokenizer = small_tokenizer([plain("<a>")])
+    decoder = TextDecoder(tokenizer)
+    tokenizer.clean_up_tokenization_spaces = True  # checked on every call: this one goes through decode
+    calls = []
+    tokenizer.decode = lambda ids, **options: calls.append(ids) or "decoded"
+    assert decoder(ids) == "decoded" and calls == [ids]

@@ -14,9 +14,22 @@ import time
 
 import pytest
 
-from agentfly_jax.tools import TOOL_ERROR_KINDS, ToolCall, execute_tool_call, parse_error_result, tool
+from agentfly_jax.tools import (
+    TOOL_ERROR_KINDS,
+    ToolCall,
+    execute_tool_call,
+    execute_tool_calls,
+    parse_error_result,
+    tool,
+)
 from agentfly_jax.tools import execute as execute_module
-from agentfly_jax.tools.parsers import decode_arguments, parse_hermes_tool_calls, parse_react
+from agentfly_jax.tools.parsers import (
+    decode_arguments,
+    load_json,
+    lone_surrogate_in,
+    parse_hermes_tool_calls,
+    parse_react,
+)
 from tests.tools.hostile_tools import (
     DIGITS,
     Counter,
@@ -175,6 +188,18 @@ def test_calls_built_in_python_with_a_lone_surrogate_are_bad_arguments():
     assert_failure(direct, "bad_arguments", "\\ud800")
     as_dict = run({"name": "echo", "arguments": {"text": "x\udfff"}})
     assert_failure(as_dict, "bad_arguments", "\\udfff")
+
+
+def test_lone_surrogates_are_found_in_keys_values_and_nested_values():
+    assert lone_surrogate_in({"a": "b", "c": "d"}) is None and lone_surrogate_in({1: "b"}) is None
+    assert lone_surrogate_in({"x\ud800": "b"}) == "\\ud800"  # a flat dict of strings: its keys too
+    assert lone_surrogate_in({"a": "b\udc01"}) == "\\udc01"
+    assert lone_surrogate_in({1: "b", "a": ["\ud801"]}) == "\\ud801"  # other keys, nested values: walked
+    assert lone_surrogate_in("plain") is None and lone_surrogate_in("a\udfffb") == "\\udfff"
+    # JSON text: a surrogate written as it is, or escaped; an escaped backslash before "ud800" is no escape
+    assert "holds \\ud800" in load_json('{"a": "x\ud800"}')
+    assert "holds \\ud800" in load_json('{"a": "x\\ud800"}')
+    assert load_json('{"a": "x\\\\ud800"}') == ({"a": "x\\ud800"}, 17)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -468,3 +493,125 @@ def test_observation_json_of_an_ordinary_list_is_unchanged():
 
     result = run({"name": "listing", "arguments": {}}, tools=[listing])
     assert result.ok and json.loads(result.observation) == [1, "two", {"three": 3.0}]
+
+
+# --------------------------------------------------------------------------------------------------
+# A turn's calls run together (execute_tool_calls): each keeps its own limit, outcome and latency
+# --------------------------------------------------------------------------------------------------
+
+
+def _stubborn_tool(release: threading.Event, timeout: float):
+    @tool(name="stubborn", timeout=timeout)
+    async def stubborn() -> str:
+        """Ignores cancellation until released (or 10 s)."""
+        give_up = time.monotonic() + 10
+        while not release.is_set() and time.monotonic() < give_up:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass
+        return "finished anyway"
+
+    return stubborn
+
+
+def test_calls_of_a_turn_settle_each_under_its_own_limit_in_call_order():
+    release = threading.Event()
+    cancelled = []
+
+    @tool(timeout=0.2)
+    async def polite(seconds: float) -> str:
+        """Sleeps; stops when cancelled."""
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:
+            cancelled.append(seconds)
+            raise
+        return f"slept {seconds}"
+
+    @tool
+    def blocking(seconds: float) -> str:
+        """Sleeps in its thread."""
+        time.sleep(seconds)
+        return "woke"
+
+    @tool
+    async def fails() -> str:
+        """Raises."""
+        await asyncio.sleep(0.01)
+        raise RuntimeError("broken on purpose")
+
+    tools = [polite, blocking, fails, _stubborn_tool(release, 0.3), echo]
+    calls = [
+        {"name": "polite", "arguments": {"seconds": 0.05}},
+        {"name": "stubborn", "arguments": {}},
+        {"name": "polite", "arguments": {"seconds": 5}},  # past its 0.2 s limit: cancelled, not abandoned
+        {"name": "fails", "arguments": {}},
+        {"name": "nope", "arguments": {}},
+        {"name": "blocking", "arguments": {"seconds": 0.1}},
+        {"name": "polite", "arguments": {"seconds": "soon"}},
+        {"name": "echo", "arguments": {"text": "x\ud800"}},
+    ]
+
+    async def scenario():
+        total_before, _ = execute_module.abandoned_calls()
+        started = time.monotonic()
+        results = await execute_tool_calls(calls, tools, timeout=2)
+        elapsed = time.monotonic() - started
+        abandoned = execute_module.abandoned_calls()[0] - total_before
+        release.set()
+        return results, elapsed, abandoned
+
+    results, elapsed, abandoned = asyncio.run(scenario())
+    assert [r.name for r in results] == ["polite", "stubborn", "polite", "fails", "nope", "blocking", "polite", "echo"]
+    fast, stubborn, slow, failing, unknown, blocked, bad, surrogate = results
+    assert fast.ok and fast.observation == "slept 0.05" and 0.04 <= fast.latency_s < 0.2  # its own time
+    assert_failure(stubborn, "timeout", "did not finish within 0.3 s", "abandoned")
+    assert stubborn.abandoned and abandoned == 1
+    assert 0.3 <= stubborn.latency_s < 0.3 + execute_module.CANCEL_GRACE_S + 0.5
+    assert_failure(slow, "timeout", "did not finish within 0.2 s")
+    assert not slow.abandoned and cancelled == [5] and 0.2 <= slow.latency_s < 1.0
+    assert_failure(failing, "tool_exception", "RuntimeError: broken on purpose")
+    assert_failure(unknown, "unknown_tool", "unknown tool 'nope'")
+    assert blocked.ok and blocked.observation == "woke" and 0.09 <= blocked.latency_s < 0.5
+    assert_failure(bad, "bad_arguments", "argument 'seconds'")
+    assert_failure(surrogate, "bad_arguments", "\\ud800")
+    # all together: the turn lasts as long as its longest call (the abandoned one: limit + grace), not their sum
+    assert elapsed < 0.3 + execute_module.CANCEL_GRACE_S + 0.5, elapsed
+
+
+def test_cancelling_the_caller_stops_every_call_of_the_turn_and_propagates():
+    release = threading.Event()
+    cancelled = []
+
+    @tool
+    async def wait_forever(name: str) -> str:
+        """Waits."""
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+        return ""
+
+    tools = [wait_forever, _stubborn_tool(release, 30)]
+    calls = [{"name": "wait_forever", "arguments": {"name": "a"}}, {"name": "stubborn", "arguments": {}},
+             {"name": "wait_forever", "arguments": {"name": "b"}}]
+
+    async def scenario():
+        total_before, _ = execute_module.abandoned_calls()
+        task = asyncio.create_task(execute_tool_calls(calls, tools))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        elapsed = time.monotonic() - started
+        abandoned = execute_module.abandoned_calls()[0] - total_before
+        release.set()
+        return elapsed, abandoned
+
+    elapsed, abandoned = asyncio.run(scenario())
+    assert sorted(cancelled) == ["a", "b"]  # every call was cancelled
+    assert abandoned == 1  # the one that swallows cancellation, after the grace period, not waited for
+    assert elapsed < execute_module.CANCEL_GRACE_S + 0.5, elapsed

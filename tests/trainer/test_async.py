@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import importlib.util
 import json
 import os
@@ -270,6 +271,8 @@ def test_separate_sampler_device_keeps_generation_off_the_training_mesh(tmp_path
     c.rl.max_staleness, c.loss.is_cap = 1, 2.0
     run = loop.setup(c)
     try:
+        # the start-up heap is frozen once everything is built (agentfly_jax/heap.py), and given back at close
+        assert run.heap_frozen and gc.get_freeze_count() > 10_000
         devices = jax.devices()
         assert run.backend.device == devices[-1]
         assert sorted(d.id for d in run.mesh.devices.flat) == sorted(d.id for d in devices[:-1])
@@ -281,6 +284,7 @@ def test_separate_sampler_device_keeps_generation_off_the_training_mesh(tmp_path
         assert len(completion.token_ids) >= 1 and completion.token_versions[0] == 1
     finally:
         loop._close_run(run)
+    assert not run.heap_frozen and gc.get_freeze_count() == 0
     c.backend, c.vllm.launch = "vllm", True
     with pytest.raises(ConfigError, match="separate_device"):
         TrainConfig.build(c)

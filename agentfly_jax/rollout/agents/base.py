@@ -20,7 +20,7 @@ import numpy as np
 from agentfly_jax.rewards.decorator import Reward, as_reward
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
 from agentfly_jax.images import ImageSettings, PreparedImage
-from agentfly_jax.rollout.templates import end_of_turn_ids, resolve_template
+from agentfly_jax.rollout.templates import TextDecoder, end_of_turn_ids, resolve_template
 from agentfly_jax.rollout.trajectory import Trajectory
 from agentfly_jax.tools.context import EnvironmentProvider
 from agentfly_jax.tools.decorator import Tool, as_tool_table
@@ -278,7 +278,10 @@ class BaseAgent(abc.ABC):
         ids = list(token_ids)
         if ids and ids[-1] in self._stop_set:
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        decoder = self.__dict__.get("_decoder")
+        if decoder is None or decoder.tokenizer is not self.tokenizer:
+            decoder = self._decoder = TextDecoder(self.tokenizer)
+        return decoder(ids)
 
     # ----------------------------------------------------------------------------------------------
     # Rollout
