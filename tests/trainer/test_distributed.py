@@ -434,7 +434,9 @@ port, pid = int(sys.argv[1]), int(sys.argv[2])
 c = quickstart.get_config()
 c.distributed.coordinator_address = f"127.0.0.1:{port}"
 c.distributed.num_processes, c.distributed.process_id, c.distributed.initialization_timeout = 2, pid, 30
-c.distributed.heartbeat_timeout, c.distributed.exchange_timeout = 3, 2
+# heartbeat_timeout is also how long process 0 waits for the other to end before its coordinator goes (JAX then
+# aborts whoever is still connected): 3 s was too short for process 1's stop on a loaded 2-core machine
+c.distributed.heartbeat_timeout, c.distributed.exchange_timeout = 10, 2
 distributed.start(TrainConfig.build(c))
 try:
     if pid == 1:
