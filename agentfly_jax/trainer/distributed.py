@@ -496,6 +496,10 @@ def jax_heartbeat_timeout(heartbeat_timeout: float) -> int:
     return int(3 * heartbeat_timeout + 60)
 
 
+#: how long process 0 stays after the others said they are exiting on a failure (Watchdog.exiting)
+EXIT_LINGER_S = 2.0
+
+
 class Watchdog:
     """Watches the other processes of a run through the coordinator's key-value store, so that a process that dies,
     freezes or fails stops every other one within a bounded time, with one line naming it (`failure`), instead of
@@ -657,7 +661,10 @@ class Watchdog:
     def exiting(self) -> None:
         """This process ends on a failure, its cleanup done. Process 0 then waits (at most `grace` s) until every
         other process that is not lost ends too: its coordinator going away would make JAX abort them at once,
-        in the middle of their own cleanup."""
+        in the middle of their own cleanup. A process says so just before its exit; process 0 then stays
+        `EXIT_LINGER_S` longer, so that the others' last steps (flushing logs, `os._exit`) are not cut short by
+        the coordinator's end (seen: a process aborted by JAX right after it said it was ending, on a loaded
+        machine)."""
         self._publish("exited", "1")
         if self.me == 0:
             deadline = time.monotonic() + self.grace
@@ -665,7 +672,10 @@ class Watchdog:
                 with self._lock:
                     lost = {i for i, (_, t) in self._beats.items() if self._contact - t > self.timeout}
                     waiting = set(self._beats) - lost - self._exited - self._done
+                    exited = bool(self._exited)
                 if not waiting:
+                    if exited:
+                        time.sleep(min(EXIT_LINGER_S, max(deadline - time.monotonic(), 0.0)))
                     break
                 time.sleep(self.interval / 2)
         self.close()

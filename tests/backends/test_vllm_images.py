@@ -422,9 +422,13 @@ def test_weight_sync_reaches_the_vision_tower_and_an_interrupted_image_request_i
     mixed = {**params_b, "visual": params_a["visual"]}  # B's language model, A's vision tower
     stale, _ = flax_logprobs(model, mixed, prompt, after_b.token_ids, shown, 0.0)
     assert np.abs(stale - ours).max() > 0.05, "the vision tower's weights do not change these logprobs"
+    # a sequence may finish all its 900 tokens while the update is being sent (the engine decodes meanwhile: seen
+    # once); every other one switches from B to A once, and the swap must have cut most of them
     for c in interrupted:
         before = c.token_versions.count(1)
-        assert 0 < before < 900 and c.token_versions == [1] * before + [2] * (900 - before)
+        assert 0 < before <= 900 and c.token_versions == [1] * before + [2] * (900 - before)
+    interrupted = [c for c in interrupted if c.token_versions[-1] == 2]
+    assert len(interrupted) >= 16, f"only {len(interrupted)} of 32 sequences were still decoding at the swap"
     for c in interrupted[:2]:
         before = c.token_versions.count(1)
         under_b, _ = flax_logprobs(model, params_b, prompt, c.token_ids, shown, 1.0)
