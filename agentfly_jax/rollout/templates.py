@@ -685,10 +685,12 @@ def _encode_text(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
-def _plain_fast_backend(tokenizer: Any) -> Any:
-    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer with the stock `encode`, else None."""
+def _stock_fast_backend(tokenizer: Any, public: str, private: str, backend_method: str) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer whose `public` method (transformers' base
+    class's) and `private` one (the fast tokenizer's) are the stock ones, neither overridden on the class nor on
+    the instance, and whose backend has `backend_method`; else None."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+    if backend is None or not hasattr(backend, backend_method):
         return None
     try:
         from transformers import PreTrainedTokenizerFast
@@ -696,35 +698,23 @@ def _plain_fast_backend(tokenizer: Any) -> Any:
     except ImportError:
         return None
     cls = type(tokenizer)
-    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
-        name in vars(tokenizer) for name in ("encode", "_encode_plus")
-    ):
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(name in vars(tokenizer) for name in (public, private)):
         return None
-    if cls.encode is not PreTrainedTokenizerBase.encode or (
-        cls._encode_plus is not PreTrainedTokenizerFast._encode_plus
+    if getattr(cls, public) is not getattr(PreTrainedTokenizerBase, public, None) or (
+        getattr(cls, private) is not getattr(PreTrainedTokenizerFast, private, None)
     ):
         return None
     return backend
+
+
+def _plain_fast_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer with the stock `encode`, else None."""
+    return _stock_fast_backend(tokenizer, "encode", "_encode_plus", "get_added_tokens_decoder")
 
 
 def _plain_fast_decode_backend(tokenizer: Any) -> Any:
     """The `tokenizers.Tokenizer` behind a transformers fast tokenizer with the stock `decode`, else None."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode"):
-        return None
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        return None
-    cls = type(tokenizer)
-    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
-        name in vars(tokenizer) for name in ("decode", "_decode")
-    ):
-        return None
-    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not PreTrainedTokenizerFast._decode:
-        return None
-    return backend
+    return _stock_fast_backend(tokenizer, "decode", "_decode", "decode")
 
 
 class TextDecoder:
