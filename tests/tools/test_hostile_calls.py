@@ -301,20 +301,7 @@ def test_a_process_whose_tool_calls_sys_exit_carries_on():
 def test_an_async_tool_that_swallows_cancellation_times_out_at_its_limit_and_is_abandoned():
     release = threading.Event()
     ended = threading.Event()
-
-    @tool(timeout=0.3)
-    async def stubborn() -> str:
-        """Ignores cancellation until released (or 10 s: a runtime that waits for it fails, not hangs)."""
-        give_up = time.monotonic() + 10
-        try:
-            while not release.is_set() and time.monotonic() < give_up:
-                try:
-                    await asyncio.sleep(0.01)
-                except asyncio.CancelledError:
-                    pass
-            return "finished anyway"
-        finally:
-            ended.set()
+    stubborn = _stubborn_tool(release, 0.3, ended)
 
     async def scenario():
         total_before, running_before = execute_module.abandoned_calls()
@@ -500,17 +487,23 @@ def test_observation_json_of_an_ordinary_list_is_unchanged():
 # --------------------------------------------------------------------------------------------------
 
 
-def _stubborn_tool(release: threading.Event, timeout: float):
+def _stubborn_tool(release: threading.Event, timeout: float, ended: threading.Event | None = None):
+    """A tool that ignores cancellation until `release` is set (or 10 s: a runtime that waits for it fails, not
+    hangs); sets `ended` when it returns."""
     @tool(name="stubborn", timeout=timeout)
     async def stubborn() -> str:
         """Ignores cancellation until released (or 10 s)."""
         give_up = time.monotonic() + 10
-        while not release.is_set() and time.monotonic() < give_up:
-            try:
-                await asyncio.sleep(0.01)
-            except asyncio.CancelledError:
-                pass
-        return "finished anyway"
+        try:
+            while not release.is_set() and time.monotonic() < give_up:
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    pass
+            return "finished anyway"
+        finally:
+            if ended is not None:
+                ended.set()
 
     return stubborn
 
