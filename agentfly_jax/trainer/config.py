@@ -514,6 +514,9 @@ class TrainConfig:
             raise ConfigError(f"config.jax_sampler.tensor_parallel={self.jax_sampler.tensor_parallel} is for the JAX "
                               f"sampler: with config.backend={self.backend!r} generation runs on the servers (their "
                               "own --tensor-parallel-size in config.vllm.server_args); set it to 1")
+        if self.jax_sampler.tensor_parallel > 1 and self.jax_sampler.decode_attention.startswith("pallas"):
+            raise ConfigError(f"config.jax_sampler.decode_attention={self.jax_sampler.decode_attention!r} runs on one "
+                              "device; with config.jax_sampler.tensor_parallel > 1 use 'auto' or 'xla'")
         if self.rl.partial_rollouts and not self.rl.max_staleness:
             raise ConfigError("config.rl.partial_rollouts=True has no effect with config.rl.max_staleness=0 (the "
                               "synchronous loop syncs weights when no sequence is in flight): set max_staleness "

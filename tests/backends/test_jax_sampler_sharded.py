@@ -218,6 +218,10 @@ def test_trainer_config(tiny_model):
     config.jax_sampler.tensor_parallel = 0
     with pytest.raises(ConfigError, match="tensor_parallel"):
         TrainConfig.build(config)
+    config.jax_sampler.tensor_parallel, config.jax_sampler.decode_attention = 2, "pallas"
+    with pytest.raises(ConfigError, match="decode_attention='pallas' runs on one device"):
+        TrainConfig.build(config)
+    config.jax_sampler.decode_attention = "auto"
     config.jax_sampler.tensor_parallel, config.backend, config.vllm.launch = 2, "vllm", True
     with pytest.raises(ConfigError, match="tensor_parallel=2 is for the JAX sampler"):
         TrainConfig.build(config)
