@@ -30,7 +30,7 @@ from agentfly_jax.models.shapes import SHAPES  # noqa: E402
 SCOPES = ("sampling", "lm_head", "cache_write", "attention", "qkv", "o_proj", "mlp")
 # otherwise: op name (lower case) -> kind; the first pattern that matches wins
 KINDS = (
-    ("cache write", r"scatter|dynamic-update-slice|dynamic_update_slice"),
+    ("cache_write", r"scatter|dynamic-update-slice|dynamic_update_slice"),
     ("sampling", r"rng|threefry|random|gumbel|argmax|sort|cumsum|reduce-window|log_softmax|logsumexp"),
     ("matmul", r"gemm|cublas|dot|matmul|triton_gemm|cutlass|sm90_xmma|nvjet"),
     ("attention", r"attention|softmax|flash|decode_attn"),
@@ -104,7 +104,6 @@ def device_events(trace_dir: str) -> list[tuple[str, float]]:
 
 
 def summarise(events, steps: int, top: int, scopes: dict[str, str] | None = None) -> dict:
-    total = sum(ms for _, ms in events) or float("nan")
     by_op = collections.Counter()
     counts = collections.Counter()
     events = [(name, ms) for name, ms in events if not name.startswith("ThunkExecutor")]  # CPU wrappers

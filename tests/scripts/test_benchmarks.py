@@ -43,3 +43,32 @@ def test_bench_lora_short(tmp_path):
     assert full["optimizer_values"] == 2 * full["trained_values"]
     assert adapters["optimizer_values"] == 2 * adapters["trained_values"] < full["optimizer_values"] / 4
     assert full["step_ms"] > 0 and adapters["step_ms"] > 0 and record["ratios"]["step_time"] > 0
+
+
+@pytest.mark.slow
+def test_profile_decode_short(tmp_path):
+    """The decode profile on the tiny model: a trace is read back, the device time is split over the decode
+    program's named scopes (the sampling and the layers' parts are found in the HLO) and shares sum to 1."""
+    out = tmp_path / "profile.jsonl"
+    _run(["scripts/profile_decode.py", "--shape", "tiny", "--dtype", "float32", "--batches", "4", "--context", "32",
+          "--steps", "4", "--calls", "2", "--top", "5", "--out", str(out)])
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["batch"] == 4 and row["device_ms_per_step"] > 0 and row["tokens_per_s"] > 0
+    assert {"sampling", "mlp", "attention"} <= set(row["kinds"]), row["kinds"]
+    assert sum(k["share"] for k in row["kinds"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert len(row["top_ops"]) == 5
+
+
+@pytest.mark.slow
+def test_bench_decode_attention_short(tmp_path):
+    """Decode attention on a small cache: the einsum paths and the interpreted Pallas kernel agree (the same
+    inputs) and the best Pallas setting is reported."""
+    out = tmp_path / "attn.jsonl"
+    _run(["scripts/bench_decode_attention.py", "--batches", "2", "--layers", "2", "--max-len", "256", "--live", "40",
+          "--dtype", "float32", "--impls", "xla_stacked", "xla", "pallas_interpret", "--splits", "4", "16",
+          "--block-k", "32", "--repeats", "2", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["impl"] for r in rows] == ["xla_stacked", "xla", "pallas_interpret", "pallas_interpret",
+                                         "pallas_interpret"]
+    assert all(r["ms"] > 0 and r["max_abs_diff_vs_first"] < 1e-5 for r in rows)
+    assert rows[-1]["best"] and rows[-1]["ms"] == min(r["ms"] for r in rows[2:4])
