@@ -56,6 +56,7 @@ def run_jax(args) -> dict:
     from agentfly_jax.models import CausalLM, ModelConfig, init_params
     from agentfly_jax.trainer import (OptimizerConfig, create_train_state, make_optimizer, make_train_step,
                                       pack_step, take_minibatch, token_logprobs)
+    from agentfly_jax.trainer.update import step_compiler_options
 
     shape = SHAPES[args.shape]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -74,7 +75,8 @@ def run_jax(args) -> dict:
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer))
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
-    step = make_train_step(model, alg, optimizer, trainable=trainable)
+    step = make_train_step(model, alg, optimizer, trainable=trainable, gpu_gemm=args.gpu_gemm)
+    options = step_compiler_options(args.gpu_gemm)  # the forward / grad modes' programs compile as the step does
 
     rng = np.random.default_rng(0)
     b, t = args.batch, args.seq_len
@@ -99,14 +101,15 @@ def run_jax(args) -> dict:
     holder = {"state": state}
 
     if args.mode == "forward":
-        fwd = jax.jit(lambda p, r: token_logprobs(model, p, r, chunk=alg.logprob_chunk)[0])
+        fwd = jax.jit(lambda p, r: token_logprobs(model, p, r, chunk=alg.logprob_chunk)[0], compiler_options=options)
         first = jax.tree.map(lambda x: x[0], micro)
 
         def one():
             jax.block_until_ready(fwd(params, first))
     elif args.mode == "grad":
         from agentfly_jax.trainer.update import accumulate_gradients, policy_loss
-        grad_fn = jax.jit(lambda p, mb: accumulate_gradients(lambda q, b_: policy_loss(q, b_, model, alg), p, mb))
+        grad_fn = jax.jit(lambda p, mb: accumulate_gradients(lambda q, b_: policy_loss(q, b_, model, alg), p, mb),
+                          compiler_options=options)
 
         def one():
             jax.block_until_ready(grad_fn(params, micro))
@@ -124,6 +127,7 @@ def run_jax(args) -> dict:
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
             "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, "mode": args.mode,
             "segments": seg, "chunk": args.chunk, "lora_rank": args.lora_rank, "fused_optimizer": args.fused_optimizer,
+            "gpu_gemm": args.gpu_gemm,
             "trained_values": lora.adapter_count(params) if args.lora_rank else sum(
                 int(x.size) for x in jax.tree.leaves(params)),
             "optimizer_values": opt_values,
@@ -255,6 +259,8 @@ def side_result(cmd: list[str], what: str) -> dict:
 
 
 def main(argv=None) -> int:
+    from agentfly_jax.trainer.config import ModelSection, OptimizerConfig
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
     p.add_argument("--batch", type=int, default=8)
@@ -266,8 +272,10 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["step", "grad", "forward", "optimizer"], default="step",
                    help="ours: full step, gradients only, forward log-probs only (time breakdown), or the "
                         "optimiser step alone (every optimizer.fused setting, and the peer's clip + AdamW)")
-    p.add_argument("--fused-optimizer", choices=["off", "per_leaf", "stacked", "hybrid"], default="off",
-                   help="ours, --mode step: optimizer.fused (trainer/fused_adamw.py)")
+    p.add_argument("--fused-optimizer", choices=["off", "per_leaf", "stacked", "hybrid"],
+                   default=OptimizerConfig().fused, help="ours, --mode step: optimizer.fused (trainer/fused_adamw.py)")
+    p.add_argument("--gpu-gemm", choices=["cublas", "triton"], default=ModelSection().gpu_gemm,
+                   help="ours: config.model.gpu_gemm, how the update step's matrix products compile on a GPU")
     p.add_argument("--remat", action="store_true")
     p.add_argument("--chunk", type=int, default=0,
                    help="ours: positions per fp32 logits chunk (0: whole sequence at once, fastest when it fits)")

@@ -121,6 +121,10 @@ class ModelSection:
     param_dtype: str | None = knob("float32", *_one_of(None, "float32", "bfloat16", "float16"))
     remat: bool = False
     attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
+    # how XLA emits the matrix products of the jitted update steps (RL and SFT) on a GPU: "cublas" (library GEMMs,
+    # faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions, XLA's default). The JAX
+    # sampler's decode keeps XLA's default, which is faster there (docs/benchmarks.md); no effect off GPUs
+    gpu_gemm: str = knob("cublas", *_one_of("cublas", "triton"))
     # LoRA: rank-r adapters on `lora_targets`, trained with the base frozen (0: full fine-tuning); weight sync
     # and the exported policy carry the merged weights
     lora_rank: int = knob(0, *NON_NEGATIVE)
@@ -231,9 +235,10 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0  # <= 0 disables clipping
     # how the clip + AdamW step is computed (the same maths; trainer/fused_adamw.py): "off" optax's
     # chain(clip_by_global_norm, adamw); the fused fp32 pass "per_leaf" leaf by leaf, "stacked" on same-role leaves
-    # stacked across layers (moments kept stacked), "hybrid" stacking only leaves of <= 2**18 values. The optimiser
-    # state's layout follows it: a checkpoint resumes only under the setting it was saved with
-    fused: str = knob("off", *_one_of("off", "per_leaf", "stacked", "hybrid"))
+    # stacked across layers (moments kept stacked), "hybrid" stacking only leaves of <= 2**18 values (the default:
+    # the fastest on an H200, docs/benchmarks.md). The optimiser state's layout follows it: a checkpoint resumes
+    # only under the setting it was saved with
+    fused: str = knob("hybrid", *_one_of("off", "per_leaf", "stacked", "hybrid"))
 
 
 @dataclasses.dataclass(frozen=True)

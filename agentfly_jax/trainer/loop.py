@@ -200,7 +200,8 @@ def setup(config, workdir: str | None = None) -> Run:
     prepare_fn = make_prepare_fn(policy, alg, critic_model=critic)
     train_step = make_train_step(policy, alg, policy_opt, critic_model=critic, critic_opt=critic_opt,
                                  value_clip_eps=cfg.critic.value_clip_eps, value_coef=cfg.critic.value_coef,
-                                 lr_schedule=policy_schedule, state_sharding=shardings, trainable=trainable)
+                                 lr_schedule=policy_schedule, state_sharding=shardings, trainable=trainable,
+                                 gpu_gemm=cfg.model.gpu_gemm)
 
     # --- Generation backend, environment pools & agent ----------------------------------------------
     # asynchronous training (rl.max_staleness > 0): the event loop runs in its own thread so that chains go on
@@ -265,7 +266,7 @@ def run_sft(run: Run) -> dict:
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer, trainable=run.trainable)
     step_fn = make_sft_step(run.policy, optimizer, logprob_chunk=run.algorithm.logprob_chunk, lr_schedule=schedule,
-                            trainable=run.trainable)
+                            trainable=run.trainable, gpu_gemm=cfg.model.gpu_gemm)
     rng = np.random.default_rng(cfg.seed + 11)
     metrics, step = {}, 0
     guard = _NonFiniteGuard(cfg.max_nonfinite_steps)

@@ -282,12 +282,26 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
 
 
 # ---------------------------------------------------------------------------------------------- the steps
+GPU_GEMMS = ("cublas", "triton")
+
+
+def step_compiler_options(gpu_gemm: str = "cublas") -> dict | None:
+    """XLA options for compiling an update step: on a GPU backend, `gpu_gemm="cublas"` turns XLA's Triton GEMM
+    fusions off so that the matrix products go to cuBLAS (`config.model.gpu_gemm`); None (XLA's defaults) for
+    "triton" and off GPUs."""
+    if gpu_gemm not in GPU_GEMMS:
+        raise ValueError(f"gpu_gemm={gpu_gemm!r}: expected one of {', '.join(GPU_GEMMS)}")
+    if gpu_gemm == "cublas" and jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return None
+
+
 def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.GradientTransformation, *,
                     critic_model=None, critic_opt=None, value_clip_eps=0.2, value_coef=1.0, lr_schedule=None,
-                    state_sharding=None, trainable=None):
+                    state_sharding=None, trainable=None, gpu_gemm="cublas"):
     """Returns jitted `train_step(state, rows) -> (state, metrics)` on one mini-batch of prepared PackedRows
     [M, R, L]. The state is donated; with `state_sharding` the new state keeps that sharding. `trainable`
-    (e.g. `lora.is_adapter`) trains only those policy parameters."""
+    (e.g. `lora.is_adapter`) trains only those policy parameters; `gpu_gemm` see `step_compiler_options`."""
 
     def train_step(state: TrainState, micro_batches: PackedRows):
         metrics = {}
@@ -311,14 +325,15 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
         return new_state, metrics
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
-    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
+    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings,
+                   compiler_options=step_compiler_options(gpu_gemm))
 
 
 def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chunk=None, lr_schedule=None,
-                  state_sharding=None, trainable=None):
+                  state_sharding=None, trainable=None, gpu_gemm="cublas"):
     """Jitted `sft_step(state, rows [M, R, L]) -> (state, metrics)`: supervised fine-tuning on the same packed,
     action-masked rows as RL, token-mean over the mini-batch (only the policy is trained; with `trainable`,
-    only those of its parameters)."""
+    only those of its parameters; `gpu_gemm` see `step_compiler_options`)."""
 
     def sft_step(state: TrainState, micro_batches: PackedRows):
         mask = micro_batches.action_mask
@@ -333,7 +348,8 @@ def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chu
         return state.replace(step=state.step + (1.0 - out["sft/nonfinite"]).astype(state.step.dtype), policy=policy), out
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
-    return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings)
+    return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings,
+                   compiler_options=step_compiler_options(gpu_gemm))
 
 
 def take_minibatch(rows: PackedRows, k: int) -> PackedRows:
