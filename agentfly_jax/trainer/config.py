@@ -368,7 +368,8 @@ class DistributedSection:
     touches a device (trainer/distributed.py; walk-through: docs/tpu.md). All unset: one process, unless the process
     runs where jax.distributed.initialize() finds its values itself (a TPU slice of several hosts, a SLURM step or
     an Open MPI job of several tasks); a value set here wins over the detected one. Plain ssh launches set all
-    three; num_processes=1 forces one process. Every process must start with the same config and code (compared
+    three; num_processes=1 forces one process (with a coordinator_address: a jax.distributed cluster of one
+    process, whose collectives, gloo's on CPU, add in the same order as those of several processes). Every process must start with the same config and code (compared
     at start); this section may differ between processes (process_id does) and is left out of that comparison.
 
     When a process fails (docs/tpu.md "When a process fails"): one that dies (killed, out of memory, its host
@@ -539,9 +540,6 @@ class TrainConfig:
         if dist.num_processes is not None and dist.process_id is not None and dist.process_id >= dist.num_processes:
             raise ConfigError(f"config.distributed.process_id={dist.process_id} with num_processes="
                               f"{dist.num_processes}: process ids run from 0 to num_processes - 1")
-        if dist.num_processes == 1 and dist.coordinator_address:
-            raise ConfigError("config.distributed.coordinator_address has no effect with num_processes=1 (one "
-                              "process starts no coordinator): unset one of them")
         self._check_model()
         longest = self.agent.max_context_tokens
         if longest > max(self.seq_buckets):

@@ -7,7 +7,10 @@ again, which is then a no-op):
 1. `initialize(cfg.distributed)` calls `jax.distributed.initialize` with the section's values. With none set it
    does so only where a cluster that JAX recognises by itself holds several processes (`detect_cluster`: an Open
    MPI job or a SLURM step of several tasks, a Cloud TPU slice of several hosts) and lets JAX fill in every value;
-   anywhere else the run is one process and nothing is started. `num_processes=1` forces one process. Set
+   anywhere else the run is one process and nothing is started. `num_processes=1` forces one process; with a
+   `coordinator_address` too, jax.distributed is started as a cluster of that one process, so that its device
+   collectives are those of a run of several processes (on CPU gloo's, whose sums then equal an N-process run's
+   bit for bit, where the in-process all-reduce adds in another order). Set
    explicitly (all three keys), JAX's cluster detection is switched off, so a SLURM task sees every GPU of its
    node instead of the one JAX would pick for it. A process other than 0 first waits for the coordinator's port
    to open and says so in one line if it never does (JAX's client would abort the process without a Python
@@ -282,9 +285,11 @@ def initialize(section) -> bool:
                 raise DistributedError(f"config.distributed.{key}={explicit[key]} but jax.distributed already runs "
                                        f"with {key}={value}: unset the key or start the process with that value")
         return state.num_processes > 1
-    if section.num_processes == 1:
-        return False
     given = {k: v for k, v in explicit.items() if v is not None}
+    if section.num_processes == 1:
+        if not given.get("coordinator_address"):
+            return False  # one process, nothing started
+        given.setdefault("process_id", 0)  # (config refuses any other id for one process)
     cluster = None
     if len(given) < 3:
         cluster = detect_cluster()

@@ -68,8 +68,8 @@ def test_distributed_section_defaults_and_command_line_placeholders():
     ({"distributed__exchange_timeout": -1}, "config.distributed.exchange_timeout=-1 is out of range; allowed: > 0"),
     ({"distributed__num_processes": 2, "distributed__process_id": 2},
      "config.distributed.process_id=2 with num_processes=2: process ids run from 0 to num_processes - 1"),
-    ({"distributed__num_processes": 1, "distributed__coordinator_address": "h:1"},
-     "config.distributed.coordinator_address has no effect with num_processes=1"),
+    ({"distributed__num_processes": 1, "distributed__process_id": 1},
+     "config.distributed.process_id=1 with num_processes=1: process ids run from 0 to num_processes - 1"),
 ])
 def test_distributed_section_refuses_bad_values_in_one_line(changes, expected):
     message = _refused(**changes)
