@@ -115,7 +115,8 @@ def test_groups_stack_same_role_across_layers():
 
 def test_config_switch_builds_the_fused_optimizer():
     assert isinstance(make_optimizer(OptimizerConfig(fused="stacked")), FusedClipAdamW)
-    assert not isinstance(make_optimizer(OptimizerConfig()), FusedClipAdamW)
+    assert isinstance(make_optimizer(OptimizerConfig()), FusedClipAdamW)  # the default: "hybrid"
+    assert not isinstance(make_optimizer(OptimizerConfig(fused="off")), FusedClipAdamW)
     config = quickstart.get_config().to_dict()
     config["optimizer"]["fused"] = "per_leaf"
     assert TrainConfig.build(config).optimizer.fused == "per_leaf"
