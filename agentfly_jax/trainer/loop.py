@@ -197,7 +197,7 @@ def setup(config, workdir: str | None = None) -> Run:
     shardings = state_shardings(state, mesh, policy_model=policy, policy_opt=policy_opt, critic_model=critic,
                                 critic_opt=critic_opt, rules=rules, trainable=trainable)
     state = jax.device_put(state, shardings)
-    prepare_fn = make_prepare_fn(policy, alg, critic_model=critic)
+    prepare_fn = make_prepare_fn(policy, alg, critic_model=critic, gpu_gemm=cfg.model.gpu_gemm)
     train_step = make_train_step(policy, alg, policy_opt, critic_model=critic, critic_opt=critic_opt,
                                  value_clip_eps=cfg.critic.value_clip_eps, value_coef=cfg.critic.value_coef,
                                  lr_schedule=policy_schedule, state_sharding=shardings, trainable=trainable,

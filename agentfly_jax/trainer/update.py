@@ -228,11 +228,25 @@ def _pack(per_trajectory, batch: UpdateBatch):
     return flat[batch.pack_index]
 
 
-def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
+GPU_GEMMS = ("cublas", "triton")
+
+
+def step_compiler_options(gpu_gemm: str = "cublas") -> dict | None:
+    """XLA options for compiling the update phase's programs (prepare, the RL and SFT steps): on a GPU backend, `gpu_gemm="cublas"` turns XLA's Triton GEMM
+    fusions off so that the matrix products go to cuBLAS (`config.model.gpu_gemm`); None (XLA's defaults) for
+    "triton" and off GPUs."""
+    if gpu_gemm not in GPU_GEMMS:
+        raise ValueError(f"gpu_gemm={gpu_gemm!r}: expected one of {', '.join(GPU_GEMMS)}")
+    if gpu_gemm == "cublas" and jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return None
+
+
+def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, gpu_gemm="cublas"):
     """Jitted `prepare(state, batch) -> (batch, metrics)`: fills the rows' old logprobs (the policy before this
     update), reference logprobs (with a KL knob), old values (with a critic), advantages and returns (the
     recipe's estimator on the trajectory view), and loss weights (the recipe's aggregation over each
-    mini-batch), all on the device in one pass."""
+    mini-batch), all on the device in one pass; `gpu_gemm` see `step_compiler_options`."""
     recipe = alg.recipe
 
     def logprob_fn(params, rows):
@@ -278,24 +292,10 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None):
         }
         return batch.replace(rows=filled), metrics
 
-    return jax.jit(prepare)
+    return jax.jit(prepare, compiler_options=step_compiler_options(gpu_gemm))
 
 
 # ---------------------------------------------------------------------------------------------- the steps
-GPU_GEMMS = ("cublas", "triton")
-
-
-def step_compiler_options(gpu_gemm: str = "cublas") -> dict | None:
-    """XLA options for compiling an update step: on a GPU backend, `gpu_gemm="cublas"` turns XLA's Triton GEMM
-    fusions off so that the matrix products go to cuBLAS (`config.model.gpu_gemm`); None (XLA's defaults) for
-    "triton" and off GPUs."""
-    if gpu_gemm not in GPU_GEMMS:
-        raise ValueError(f"gpu_gemm={gpu_gemm!r}: expected one of {', '.join(GPU_GEMMS)}")
-    if gpu_gemm == "cublas" and jax.default_backend() == "gpu":
-        return {"xla_gpu_enable_triton_gemm": False}
-    return None
-
-
 def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.GradientTransformation, *,
                     critic_model=None, critic_opt=None, value_clip_eps=0.2, value_coef=1.0, lr_schedule=None,
                     state_sharding=None, trainable=None, gpu_gemm="cublas"):
