@@ -121,9 +121,10 @@ class ModelSection:
     param_dtype: str | None = knob("float32", *_one_of(None, "float32", "bfloat16", "float16"))
     remat: bool = False
     attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
-    # how XLA emits the matrix products of the update phase's programs (prepare, the RL and SFT steps) on a GPU: "cublas" (library GEMMs,
-    # faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions, XLA's default). The JAX
-    # sampler's decode keeps XLA's default, which is faster there (docs/benchmarks.md); no effect off GPUs
+    # how XLA emits the matrix products of the update phase's programs (prepare, the RL and SFT steps) on a GPU:
+    # "cublas" (library GEMMs, faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions,
+    # XLA's default). The JAX sampler's decode keeps XLA's default, faster there (docs/benchmarks.md). No effect
+    # off GPUs
     gpu_gemm: str = knob("cublas", *_one_of("cublas", "triton"))
     # LoRA: rank-r adapters on `lora_targets`, trained with the base frozen (0: full fine-tuning); weight sync
     # and the exported policy carry the merged weights
