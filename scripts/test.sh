@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh, idempotent) and runs the whole test suite. Extra args go to pytest.
+#
+# Two phases, so that the suite fits CI's time on two cores: the tests not marked `slow` (short, CPU-bound, about
+# 1,650) on two pytest-xdist workers, a file per worker; then the `slow` ones (training runs, several processes,
+# vLLM servers, timing bounds) one after another, with the machine to themselves. Both phases must pass. A phase
+# that selects no test (extra args naming only slow or only quick tests) is fine; both selecting none is a failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
+workers="${AGENTFLY_TEST_WORKERS:-2}"
 set +e
-.venv/bin/python -m pytest "$@"
-rc=$?
+.venv/bin/python -m pytest -m "not slow" -n "$workers" --dist loadfile "$@"
+quick=$?
+.venv/bin/python -m pytest -m slow "$@"
+slow=$?
 set -e
-if [ "$rc" -eq 5 ]; then
+if [ "$quick" -eq 5 ] && [ "$slow" -eq 5 ]; then
   echo "pytest collected no tests: treating that as a failure" >&2
   exit 1
 fi
-exit "$rc"
+for rc in "$quick" "$slow"; do
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+    echo "test phases: not slow ($workers workers) exited $quick, slow exited $slow" >&2
+    exit "$rc"
+  fi
+done
+exit 0
