@@ -370,8 +370,9 @@ class DistributedSection:
     runs where jax.distributed.initialize() finds its values itself (a TPU slice of several hosts, a SLURM step or
     an Open MPI job of several tasks); a value set here wins over the detected one. Plain ssh launches set all
     three; num_processes=1 forces one process (with a coordinator_address: a jax.distributed cluster of one
-    process, whose collectives, gloo's on CPU, add in the same order as those of several processes). Every process must start with the same config and code (compared
-    at start); this section may differ between processes (process_id does) and is left out of that comparison.
+    process, whose collectives, gloo's on CPU, add in the same order as those of several processes). Every process
+    must start with the same config and code (compared at start); this section may differ between processes
+    (process_id does) and is left out of that comparison.
 
     When a process fails (docs/tpu.md "When a process fails"): one that dies (killed, out of memory, its host
     gone) or freezes sends no heartbeat, and after `heartbeat_timeout` s every other process stops with an error

@@ -232,9 +232,9 @@ GPU_GEMMS = ("cublas", "triton")
 
 
 def step_compiler_options(gpu_gemm: str = "cublas") -> dict | None:
-    """XLA options for compiling the update phase's programs (prepare, the RL and SFT steps): on a GPU backend, `gpu_gemm="cublas"` turns XLA's Triton GEMM
-    fusions off so that the matrix products go to cuBLAS (`config.model.gpu_gemm`); None (XLA's defaults) for
-    "triton" and off GPUs."""
+    """XLA options for compiling the update phase's programs (prepare, the RL and SFT steps): on a GPU backend,
+    `gpu_gemm="cublas"` turns XLA's Triton GEMM fusions off so that the matrix products go to cuBLAS
+    (`config.model.gpu_gemm`); None (XLA's defaults) for "triton" and off GPUs."""
     if gpu_gemm not in GPU_GEMMS:
         raise ValueError(f"gpu_gemm={gpu_gemm!r}: expected one of {', '.join(GPU_GEMMS)}")
     if gpu_gemm == "cublas" and jax.default_backend() == "gpu":
