@@ -27,6 +27,7 @@ from tests.tools.hostile_tools import (
     interrupts_sync,
     lone_surrogate,
     number,
+    stubborn_tool,
 )
 
 QWEN = "qwen2.5"
@@ -35,16 +36,7 @@ QWEN = "qwen2.5"
 RELEASE_STUBBORN = threading.Event()
 
 
-@tool(timeout=0.3)
-async def stubborn() -> str:
-    """Ignores cancellation until released (or 10 s: a runtime that waits for it fails, not hangs)."""
-    give_up = time.monotonic() + 10
-    while not RELEASE_STUBBORN.is_set() and time.monotonic() < give_up:
-        try:
-            await asyncio.sleep(0.01)
-        except asyncio.CancelledError:
-            pass
-    return "finished anyway"
+stubborn = stubborn_tool(RELEASE_STUBBORN, 0.3)
 
 
 TOOLS = [echo, number, huge_int, circular_list, circular_observation, lone_surrogate, exits_sync, exits_async,

@@ -1,7 +1,11 @@
 """Misbehaving tools shared by the tool-execution and chain tests: arguments or results with no text (huge
-integers, cycles, lone surrogates) and tools that raise SystemExit / KeyboardInterrupt."""
+integers, cycles, lone surrogates), tools that raise SystemExit / KeyboardInterrupt, and one that swallows its
+cancellation (`stubborn_tool`)."""
 
+import asyncio
 import sys
+import threading
+import time
 
 from agentfly_jax.tools import tool
 
@@ -88,3 +92,24 @@ class Counter:
 
     async def close(self):
         pass
+
+
+def stubborn_tool(release: threading.Event, timeout: float, ended: threading.Event | None = None):
+    """A tool named "stubborn" that ignores cancellation until `release` is set (or 10 s: a runtime that waits for
+    it fails, not hangs); sets `ended` when it returns."""
+    @tool(name="stubborn", timeout=timeout)
+    async def stubborn() -> str:
+        """Ignores cancellation until released (or 10 s)."""
+        give_up = time.monotonic() + 10
+        try:
+            while not release.is_set() and time.monotonic() < give_up:
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    pass
+            return "finished anyway"
+        finally:
+            if ended is not None:
+                ended.set()
+
+    return stubborn

@@ -42,6 +42,7 @@ from tests.tools.hostile_tools import (
     interrupts_sync,
     lone_surrogate,
     number,
+    stubborn_tool,
 )
 
 
@@ -301,7 +302,7 @@ def test_a_process_whose_tool_calls_sys_exit_carries_on():
 def test_an_async_tool_that_swallows_cancellation_times_out_at_its_limit_and_is_abandoned():
     release = threading.Event()
     ended = threading.Event()
-    stubborn = _stubborn_tool(release, 0.3, ended)
+    stubborn = stubborn_tool(release, 0.3, ended)
 
     async def scenario():
         total_before, running_before = execute_module.abandoned_calls()
@@ -487,27 +488,6 @@ def test_observation_json_of_an_ordinary_list_is_unchanged():
 # --------------------------------------------------------------------------------------------------
 
 
-def _stubborn_tool(release: threading.Event, timeout: float, ended: threading.Event | None = None):
-    """A tool that ignores cancellation until `release` is set (or 10 s: a runtime that waits for it fails, not
-    hangs); sets `ended` when it returns."""
-    @tool(name="stubborn", timeout=timeout)
-    async def stubborn() -> str:
-        """Ignores cancellation until released (or 10 s)."""
-        give_up = time.monotonic() + 10
-        try:
-            while not release.is_set() and time.monotonic() < give_up:
-                try:
-                    await asyncio.sleep(0.01)
-                except asyncio.CancelledError:
-                    pass
-            return "finished anyway"
-        finally:
-            if ended is not None:
-                ended.set()
-
-    return stubborn
-
-
 def test_calls_of_a_turn_settle_each_under_its_own_limit_in_call_order():
     release = threading.Event()
     cancelled = []
@@ -534,7 +514,7 @@ def test_calls_of_a_turn_settle_each_under_its_own_limit_in_call_order():
         await asyncio.sleep(0.01)
         raise RuntimeError("broken on purpose")
 
-    tools = [polite, blocking, fails, _stubborn_tool(release, 0.3), echo]
+    tools = [polite, blocking, fails, stubborn_tool(release, 0.3), echo]
     calls = [
         {"name": "polite", "arguments": {"seconds": 0.05}},
         {"name": "stubborn", "arguments": {}},
@@ -587,7 +567,7 @@ def test_cancelling_the_caller_stops_every_call_of_the_turn_and_propagates():
             raise
         return ""
 
-    tools = [wait_forever, _stubborn_tool(release, 30)]
+    tools = [wait_forever, stubborn_tool(release, 30)]
     calls = [{"name": "wait_forever", "arguments": {"name": "a"}}, {"name": "stubborn", "arguments": {}},
              {"name": "wait_forever", "arguments": {"name": "b"}}]
 
