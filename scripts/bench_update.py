@@ -259,7 +259,7 @@ def side_result(cmd: list[str], what: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from agentfly_jax.trainer.config import ModelSection, OptimizerConfig
+    from agentfly_jax.trainer.config import GPU_GEMMS, OPTIMIZER_FUSED, ModelSection, OptimizerConfig
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
@@ -272,9 +272,9 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=["step", "grad", "forward", "optimizer"], default="step",
                    help="ours: full step, gradients only, forward log-probs only (time breakdown), or the "
                         "optimiser step alone (every optimizer.fused setting, and the peer's clip + AdamW)")
-    p.add_argument("--fused-optimizer", choices=["off", "per_leaf", "stacked", "hybrid"],
-                   default=OptimizerConfig().fused, help="ours, --mode step: optimizer.fused (trainer/fused_adamw.py)")
-    p.add_argument("--gpu-gemm", choices=["cublas", "triton"], default=ModelSection().gpu_gemm,
+    p.add_argument("--fused-optimizer", choices=OPTIMIZER_FUSED, default=OptimizerConfig().fused,
+                   help="ours, --mode step: optimizer.fused (trainer/fused_adamw.py)")
+    p.add_argument("--gpu-gemm", choices=GPU_GEMMS, default=ModelSection().gpu_gemm,
                    help="ours: config.model.gpu_gemm, how the update step's matrix products compile on a GPU")
     p.add_argument("--remat", action="store_true")
     p.add_argument("--chunk", type=int, default=0,

@@ -98,6 +98,10 @@ class VisionSection:
     fullatt_block_indexes: tuple[int, ...] = knob((1,), lambda v: all(i >= 0 for i in v), "block indexes >= 0")
 
 
+GPU_GEMMS = ("cublas", "triton")  # config.model.gpu_gemm (trainer/update.py: step_compiler_options)
+OPTIMIZER_FUSED = ("off", "per_leaf", "stacked", "hybrid")  # config.optimizer.fused (state.py: make_optimizer)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     hf_path: str = ""  # start from this HF checkpoint (the fields below then come from it)
@@ -125,7 +129,7 @@ class ModelSection:
     # "cublas" (library GEMMs, faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions,
     # XLA's default). The JAX sampler's decode keeps XLA's default, faster there (docs/benchmarks.md). No effect
     # off GPUs
-    gpu_gemm: str = knob("cublas", *_one_of("cublas", "triton"))
+    gpu_gemm: str = knob("cublas", *_one_of(*GPU_GEMMS))
     # LoRA: rank-r adapters on `lora_targets`, trained with the base frozen (0: full fine-tuning); weight sync
     # and the exported policy carry the merged weights
     lora_rank: int = knob(0, *NON_NEGATIVE)
@@ -239,7 +243,7 @@ class OptimizerConfig:
     # stacked across layers (moments kept stacked), "hybrid" stacking only leaves of <= 2**18 values (the default:
     # the fastest on an H200, docs/benchmarks.md). The optimiser state's layout follows it: a checkpoint resumes
     # only under the setting it was saved with
-    fused: str = knob("hybrid", *_one_of("off", "per_leaf", "stacked", "hybrid"))
+    fused: str = knob("hybrid", *_one_of(*OPTIMIZER_FUSED))
 
 
 @dataclasses.dataclass(frozen=True)

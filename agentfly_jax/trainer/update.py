@@ -21,6 +21,7 @@ from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.models import CausalLM, lora
 from agentfly_jax.trainer.batch import PackedRows, UpdateBatch
+from agentfly_jax.trainer.config import GPU_GEMMS
 from agentfly_jax.trainer.state import ModelState, TrainState
 
 
@@ -226,9 +227,6 @@ def _pack(per_trajectory, batch: UpdateBatch):
     """Trajectory view [N, T] -> packed [K, M, R, L] (0 on padding)."""
     flat = jnp.concatenate([per_trajectory.reshape(-1), jnp.zeros((1,), per_trajectory.dtype)])
     return flat[batch.pack_index]
-
-
-GPU_GEMMS = ("cublas", "triton")
 
 
 def step_compiler_options(gpu_gemm: str = "cublas") -> dict | None:
