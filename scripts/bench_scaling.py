@@ -74,6 +74,24 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
 
 
+def parse_rule(text: str) -> tuple[str, str | tuple[str, ...] | None]:
+    """`NAME=AXES` (comma-separated mesh axes, or empty for none) -> a logical axis rule."""
+    name, sep, axes = text.partition("=")
+    parts = tuple(a.strip() for a in axes.split(",") if a.strip())
+    unknown = [a for a in parts if a not in ("data", "fsdp", "tensor")]
+    if not sep or not name.strip() or unknown:
+        raise ValueError(f"--rule {text!r}: expected NAME=AXES with AXES comma-separated of data, fsdp, tensor "
+                         f"(or empty), e.g. act_residual_batch=data,fsdp")
+    return name.strip(), (None if not parts else parts[0] if len(parts) == 1 else parts)
+
+
+def with_rule_overrides(rules, overrides) -> tuple:
+    """`rules` with each (name, axes) of `overrides` replacing that name's rule, or appended if new."""
+    overrides = dict(overrides or [])
+    out = [(name, overrides.pop(name, axes)) for name, axes in rules]
+    return tuple(out + list(overrides.items()))
+
+
 # ============================================================================================== the worker
 def _host_batch(args, shape: dict, global_rows: int):
     """One mini-batch of packed rows [1, R, L] on the host, filled as `prepare` would fill it (random advantages,
@@ -135,6 +153,7 @@ def run_worker(args) -> dict:
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
     mesh = shd.make_mesh(mesh_axes(args.layout, devices))
+    rules = with_rule_overrides(shd.DEFAULT_RULES, args.rule)
     global_rows = args.rows_per_device * devices
 
     def new_state(key):
@@ -142,7 +161,7 @@ def run_worker(args) -> dict:
         return create_train_state(params, optimizer)
 
     abstract_state = jax.eval_shape(new_state, jax.random.PRNGKey(0))
-    sharding = state_shardings(abstract_state, mesh, policy_model=model, policy_opt=optimizer)
+    sharding = state_shardings(abstract_state, mesh, policy_model=model, policy_opt=optimizer, rules=rules)
     rows_sharding = NamedSharding(mesh, P(None, ("data", "fsdp")))
     host_rows = _host_batch(args, shape, global_rows)
     if args.compile_only:  # abstract inputs: nothing is allocated
@@ -156,7 +175,7 @@ def run_worker(args) -> dict:
                             host_rows)
 
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh), shd.axis_rules():
+    with jax.set_mesh(mesh), shd.axis_rules(rules):
         step = make_train_step(model, alg, optimizer, state_sharding=sharding)
         compiled = step.lower(state, rows).compile()
     compile_s = time.perf_counter() - t0
@@ -164,7 +183,8 @@ def run_worker(args) -> dict:
               "processes": jax.process_count(), "mesh": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
               "dtype": jnp.dtype(dtype).name, "rows_per_device": args.rows_per_device, "seq_len": args.seq_len,
               "global_tokens": global_rows * args.seq_len, "layer_remat": args.layer_remat, "chunk": args.chunk,
-              "compile_s": round(compile_s, 2), "collectives": count_collectives(compiled.as_text())}
+              "rules": dict(args.rule or []), "compile_s": round(compile_s, 2),
+              "collectives": count_collectives(compiled.as_text())}
     if args.compile_only:
         return result
 
@@ -199,6 +219,13 @@ def _gpu_ids() -> list[str]:
     return [str(i) for i, line in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
 
 
+def _rule_arg(text: str):
+    try:
+        return parse_rule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -227,6 +254,8 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
                    "--chunk", str(args.chunk), "--init-timeout", str(args.init_timeout)]
     worker_args += ["--fp32-params"] * args.fp32_params + ["--layer-remat"] * args.layer_remat
     worker_args += ["--compile-only"] * args.compile_only
+    for name, axes in args.rule or []:
+        worker_args += ["--rule", f"{name}={','.join((axes,) if isinstance(axes, str) else axes or ())}"]
     procs = []
     for pid in range(processes):
         argv = [sys.executable, os.path.abspath(__file__), "--worker", *worker_args]
@@ -317,6 +346,9 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=0,
                    help="positions per fp32 logits chunk (0: the whole sequence at once)")
     p.add_argument("--layer-remat", action="store_true", help="rematerialise each decoder layer in the backward")
+    p.add_argument("--rule", action="append", type=_rule_arg, metavar="NAME=AXES",
+                   help="override one logical axis rule of the trainer's defaults (repeatable), e.g. "
+                        "act_residual_batch=data,fsdp; an empty AXES replicates")
     p.add_argument("--fp32-params", action="store_true", help="fp32 master params, bf16 compute (GPU)")
     p.add_argument("--compile-only", action="store_true",
                    help="lower and compile on abstract inputs (nothing allocated): warnings and collectives only")

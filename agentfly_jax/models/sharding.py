@@ -10,6 +10,11 @@ test as the parameters: an activation is only ever asked for a layout that the w
 Where the two disagree (say q heads split 4 ways but their weights replicated), the SPMD partitioner must
 reshard between them, and for some pairs of layouts it can only do so by replicating the whole tensor first
 (XLA's "involuntary full rematerialization").
+
+Where the query heads do not split over the mesh axes of `act_heads` (14 heads on tensor=4), attention's rows
+take the name `act_attn_batch` (rule sets without it fall back to `act_batch`), by default split over `tensor`
+as well: every tensor-parallel device then runs attention with whole heads on its share of the rows, instead of
+every device computing all of it (the weights of q/k/v/o are replicated over `tensor` by the divisibility test).
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("lora", None),  # LoRA adapters' rank axis: small, replicated
     # activations
     ("act_batch", ("data", "fsdp")),
+    ("act_attn_batch", ("data", "fsdp", "tensor")),
     ("act_length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -118,6 +124,24 @@ def active_shards(logical: str, size: int) -> int:
     axes = spec_for_shape(P(logical), (size,), mesh, rules)[0]
     axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
     return math.prod(mesh.shape[a] for a in axes)
+
+
+def fully_split(logical: str, size: int) -> bool:
+    """Whether every active mesh axis that the active rules give `logical` divides `size` (True without rules
+    or a mesh): e.g. False for 14 heads under ("act_heads", "tensor") on tensor=4."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return True
+    wanted = math.prod(mesh.shape[a] for a in _mesh_axes_for(logical, rules) if mesh.shape.get(a, 1) > 1)
+    return active_shards(logical, size) == wanted
+
+
+def batch_name(preferred: str) -> str:
+    """`preferred` (a batch-like activation name) where the active rules map it, else "act_batch", so that rule
+    sets written before it existed keep their batch layout."""
+    rules = nn.get_logical_axis_rules()
+    return preferred if any(name == preferred for name, _ in rules) else "act_batch"
 
 
 def param_shardings(model: nn.Module, params, mesh: Mesh, rules=DEFAULT_RULES):

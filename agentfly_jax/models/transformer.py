@@ -3,7 +3,8 @@
 Every parameter carries logical axis names (see `models/sharding.py` for the mapping to mesh axes):
   vocab, embed, heads, kv_heads, head_dim, mlp, norm, value_out.
 Activations are constrained with act_batch, act_length, act_embed, act_heads, act_kv_heads, act_mlp, act_vocab,
-by the same rules and divisibility test as the parameters they meet (`sharding.constrain`).
+by the same rules and divisibility test as the parameters they meet (`sharding.constrain`); attention's rows with
+act_attn_batch where the mesh cannot split its heads (`sharding.fully_split`).
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, D head dim,
 E hidden size, V vocab, F intermediate size.
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentfly_jax.models.config import ModelConfig
-from agentfly_jax.models.sharding import active_shards, constrain
+from agentfly_jax.models.sharding import active_shards, batch_name, constrain, fully_split
 
 _KERNEL_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -252,18 +253,23 @@ class Attention(nn.Module):
                                   c.lora_scale, repeats, name=name)(x)
 
         repeats = kv_repeats(c.num_heads, c.num_kv_heads)  # 1 but where the mesh splits queries further
+        # Heads that the mesh cannot split (14 on tensor=4) stay whole, and the rows split instead: the input's
+        # share of rows is a slice of the replicated rows, the output is all-gathered back (o_proj's constraint).
+        rows = "act_batch" if fully_split("act_heads", c.num_heads) else batch_name("act_attn_batch")
+        x = _constrain(x, (rows, "act_length", "act_embed"))
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
         k = proj(c.num_kv_heads, "kv_heads", "k_proj", repeats)  # [B, T, K * repeats, D]
         v = proj(c.num_kv_heads, "kv_heads", "v_proj", repeats)
         inv_freq = jnp.asarray(rope_inv_freq(c))
         q, k = apply_rope(q, positions, inv_freq, c.mrope_section), apply_rope(k, positions, inv_freq, c.mrope_section)
-        q = _constrain(q, ("act_batch", "act_length", "act_heads", None))
-        k = _constrain(k, ("act_batch", "act_length", "act_kv_heads", None))
-        v = _constrain(v, ("act_batch", "act_length", "act_kv_heads", None))
+        q = _constrain(q, (rows, "act_length", "act_heads", None))
+        k = _constrain(k, (rows, "act_length", "act_kv_heads", None))
+        v = _constrain(v, (rows, "act_length", "act_kv_heads", None))
         out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
-        out = _constrain(out, ("act_batch", "act_length", "act_heads", None))
-        return OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
-                             name="o_proj")(out)
+        out = _constrain(out, (rows, "act_length", "act_heads", None))
+        out = OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
+                            name="o_proj")(out)
+        return _constrain(out, (rows, "act_length", "act_embed"))
 
 
 class MLP(nn.Module):

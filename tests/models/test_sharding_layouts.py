@@ -90,24 +90,28 @@ def _policy_rows(n_rows: int, micro_batches: int):
     return take_minibatch(rows, 0)
 
 
-def _compile_update(axes: dict, *, chunk=None, micro_batches=1, rows_per_shard=2):
-    """The trainer's train step lowered and compiled on abstract, sharded inputs -> (HLO text, local rows)."""
+def _compile_update(axes: dict, *, chunk=None, micro_batches=1, rows_per_shard=2, cfg=CFG, rules=shd.DEFAULT_RULES,
+                    with_cost=False):
+    """The trainer's train step lowered and compiled on abstract, sharded inputs -> (HLO text, local rows), and
+    with `with_cost` also XLA's flop count of one device's program."""
     devices = int(np.prod(list(axes.values())))
     mesh = shd.make_mesh(axes, devices=jax.devices()[:devices])
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    model = CausalLM(ModelConfig(**CFG))
+    model = CausalLM(ModelConfig(**cfg))
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     abstract = jax.eval_shape(lambda p: create_train_state(p, optimizer), init_params_shapes(model))
-    sharding = state_shardings(abstract, mesh, policy_model=model, policy_opt=optimizer)
+    sharding = state_shardings(abstract, mesh, policy_model=model, policy_opt=optimizer, rules=rules)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, sharding)
     rows_sharding = NamedSharding(mesh, P(None, ("data", "fsdp")))
     rows = _policy_rows(rows_per_shard * batch_shards * micro_batches, micro_batches)
     rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows_sharding), rows)
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": chunk})
-    with jax.set_mesh(mesh), shd.axis_rules():
+    with jax.set_mesh(mesh), shd.axis_rules(rules):
         step = make_train_step(model, alg, optimizer, state_sharding=sharding)
-        hlo = step.lower(state, rows).compile().as_text()
-    return hlo, rows_per_shard
+        compiled = step.lower(state, rows).compile()
+    if with_cost:
+        return compiled.as_text(), rows_per_shard, compiled.cost_analysis()["flops"]
+    return compiled.as_text(), rows_per_shard
 
 
 def test_the_log_capture_sees_an_involuntary_rematerialization(capfd):
@@ -172,11 +176,9 @@ def test_kv_heads_are_repeated_where_the_mesh_splits_query_heads_further():
         assert (kv_heads * repeats) % shards == 0 and (heads // kv_heads) % repeats == 0
 
 
-@pytest.mark.slow
-def test_repeated_kv_heads_give_the_single_device_update():
-    """fsdp=2 x tensor=4 with 4 query and 2 kv heads: each kv head is repeated twice so that q, k and v split
-    alike; logits and the gradient step (SGD: the update is the gradient itself) equal those of one device."""
-    model = CausalLM(ModelConfig(**CFG))
+def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict):
+    """Logits and one gradient step (SGD: the update is the gradient itself) under `axes` equal one device's."""
+    model = CausalLM(ModelConfig(**cfg))
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = optax.sgd(1.0)
     rows = jax.tree.map(jnp.asarray, _policy_rows(8, 1))
@@ -186,13 +188,12 @@ def test_repeated_kv_heads_give_the_single_device_update():
     reference, ref_metrics = make_train_step(model, alg, optimizer)(
         create_train_state(jax.tree.map(jnp.copy, params), optimizer), rows)
 
-    mesh = shd.make_mesh({"fsdp": 2, "tensor": 4})
+    mesh = shd.make_mesh(axes)
     state = create_train_state(shd.shard_params(model, jax.tree.map(jnp.copy, params), mesh), optimizer)
     sharding = state_shardings(state, mesh, policy_model=model, policy_opt=optimizer)
     state = jax.device_put(state, sharding)
     rows_sharded = jax.device_put(rows, NamedSharding(mesh, P(None, ("data", "fsdp"))))
     with jax.set_mesh(mesh), shd.axis_rules():
-        assert shd.active_shards("act_heads", CFG["num_heads"]) == 4  # so the kv heads are repeated twice
         logits = jax.jit(model.apply)({"params": state.policy.params}, rows_sharded.tokens[0])
         state, metrics = make_train_step(model, alg, optimizer, state_sharding=sharding)(state, rows_sharded)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference_logits), atol=1e-5, rtol=0)
@@ -202,6 +203,53 @@ def test_repeated_kv_heads_give_the_single_device_update():
     for got, want in zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(reference.policy.params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
     assert abs(float(metrics["policy/loss"]) - float(ref_metrics["policy/loss"])) <= 1e-6
+
+
+@pytest.mark.slow
+def test_repeated_kv_heads_give_the_single_device_update():
+    """fsdp=2 x tensor=4 with 4 query and 2 kv heads: each kv head is repeated twice so that q, k and v split
+    alike; logits and the gradient step equal those of one device."""
+    mesh = shd.make_mesh({"fsdp": 2, "tensor": 4})
+    with jax.set_mesh(mesh), shd.axis_rules():
+        assert shd.active_shards("act_heads", CFG["num_heads"]) == 4  # so the kv heads are repeated twice
+    _assert_sharded_update_equals_one_device(CFG, {"fsdp": 2, "tensor": 4})
+
+
+# 6 query heads: tensor=4 cannot split them (hidden 96, head dim 16; no dim equals T or C)
+UNEVEN = dict(CFG, hidden_size=96, num_heads=6, num_kv_heads=2)
+
+
+def test_heads_the_mesh_cannot_split_attend_over_a_share_of_the_rows(capfd):
+    """6 heads on fsdp=2 x tensor=4: attention keeps whole heads and splits its rows over tensor as well
+    (`act_attn_batch`), so each device's compiled update does a quarter of the attention that replicating it
+    over tensor did (XLA's own flop count, against the same program with the rule pointed back at the batch
+    axes); no involuntary rematerialization, and the activations attention moves are all-gathers of rows within
+    tensor."""
+    mesh = shd.make_mesh({"fsdp": 2, "tensor": 4})
+    with jax.set_mesh(mesh), shd.axis_rules():
+        assert not shd.fully_split("act_heads", 6) and shd.fully_split("act_heads", 8)
+        assert shd.batch_name("act_attn_batch") == "act_attn_batch"
+    with jax.set_mesh(mesh), shd.axis_rules(tuple(r for r in shd.DEFAULT_RULES if r[0] != "act_attn_batch")):
+        assert shd.batch_name("act_attn_batch") == "act_batch"  # older rule sets keep the batch layout
+
+    replicated_rules = tuple((n, ("data", "fsdp") if n == "act_attn_batch" else a) for n, a in shd.DEFAULT_RULES)
+    hlo, flops = {}, {}
+    for name, rules in (("rows", shd.DEFAULT_RULES), ("replicated", replicated_rules)):
+        capfd.readouterr()
+        hlo[name], _, flops[name] = _compile_update({"fsdp": 2, "tensor": 4}, cfg=UNEVEN, rules=rules,
+                                                    rows_per_shard=4, with_cost=True)  # 4 rows: 1 a device
+        assert REMAT not in capfd.readouterr().err.lower(), name
+    # attention is the only part that changes: its flops (scores, softmax, values; q/k/v/o projections) shrink
+    assert flops["rows"] < 0.9 * flops["replicated"], flops
+    moved = _activation_collectives(hlo["rows"], 8)
+    gathers = [(op, dims, group) for op, dims, group in moved if op == "all-gather"]
+    assert gathers and all(group == 4 for _, _, group in gathers), gathers  # within tensor only
+    assert not [m for m in moved if m[0] in ("all-to-all", "collective-permute")], moved
+
+
+@pytest.mark.slow
+def test_heads_the_mesh_cannot_split_give_the_single_device_update():
+    _assert_sharded_update_equals_one_device(UNEVEN, {"fsdp": 2, "tensor": 4})
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
