@@ -285,8 +285,10 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
     results = [ln for ln in outputs[0][1].splitlines() if ln.startswith("RESULT ")]
     if failed or not results:
         rc, err = failed[0] if failed else outputs[0][::2]
-        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-3:]
-        return {**base, "error": f"worker exited {rc}: " + " | ".join(tail)[-600:], "remat_warnings": warnings}
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln)]  # the exception
+        tail = raised[-1:] + lines[-3:]
+        return {**base, "error": f"worker exited {rc}: " + " | ".join(tail)[-1500:], "remat_warnings": warnings}
     return {**json.loads(results[-1][len("RESULT "):]), "remat_warnings": warnings}
 
 

@@ -257,6 +257,8 @@ class Attention(nn.Module):
         # share of rows is a slice of the replicated rows, the output is all-gathered back (o_proj's constraint).
         rows = "act_batch" if fully_split("act_heads", c.num_heads) else batch_name("act_attn_batch")
         x = _constrain(x, (rows, "act_length", "act_embed"))
+        if mask is not None and rows != "act_batch":  # the mask's rows go with the queries' (cuDNN needs that)
+            mask = _constrain(mask, (rows, "act_length", None))
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
         k = proj(c.num_kv_heads, "kv_heads", "k_proj", repeats)  # [B, T, K * repeats, D]
         v = proj(c.num_kv_heads, "kv_heads", "v_proj", repeats)
