@@ -85,13 +85,6 @@ def parse_rule(text: str) -> tuple[str, str | tuple[str, ...] | None]:
     return name.strip(), (None if not parts else parts[0] if len(parts) == 1 else parts)
 
 
-def with_rule_overrides(rules, overrides) -> tuple:
-    """`rules` with each (name, axes) of `overrides` replacing that name's rule, or appended if new."""
-    overrides = dict(overrides or [])
-    out = [(name, overrides.pop(name, axes)) for name, axes in rules]
-    return tuple(out + list(overrides.items()))
-
-
 # ============================================================================================== the worker
 def _host_batch(args, shape: dict, global_rows: int):
     """One mini-batch of packed rows [1, R, L] on the host, filled as `prepare` would fill it (random advantages,
@@ -153,7 +146,7 @@ def run_worker(args) -> dict:
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
     mesh = shd.make_mesh(mesh_axes(args.layout, devices))
-    rules = with_rule_overrides(shd.DEFAULT_RULES, args.rule)
+    rules = shd.override_rules(args.rule or ())
     global_rows = args.rows_per_device * devices
 
     def new_state(key):

@@ -15,6 +15,13 @@ Where the query heads do not split over the mesh axes of `act_heads` (14 heads o
 take the name `act_attn_batch` (rule sets without it fall back to `act_batch`), by default split over `tensor`
 as well: every tensor-parallel device then runs attention with whole heads on its share of the rows, instead of
 every device computing all of it (the weights of q/k/v/o are replicated over `tensor` by the divisibility test).
+
+The residual stream between sublayers (embeddings, norms, residual adds) has its rows named `act_residual_batch`
+(the same fallback). By default it is the batch's layout; mapped to ("data", "fsdp", "tensor") each tensor-parallel
+device keeps 1/tensor of the rows there (Megatron's sequence parallelism, over rows instead of positions): the
+norms and adds run on that share, a sublayer's input is all-gathered and its output reduce-scattered where
+tensor parallelism otherwise all-reduces, and the gradients take the conjugate collectives (the model's
+`_reshard`).
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # activations
     ("act_batch", ("data", "fsdp")),
     ("act_attn_batch", ("data", "fsdp", "tensor")),
+    ("act_residual_batch", ("data", "fsdp")),  # ("data", "fsdp", "tensor"): sequence parallelism over rows
     ("act_length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -52,6 +60,26 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
+
+
+def override_rules(overrides, base=DEFAULT_RULES) -> tuple:
+    """`base` with each (name, mesh axes) of `overrides` replacing that name's rule, names new to `base` appended:
+    an experiment states only the rules it changes, e.g. (("act_residual_batch", ("data", "fsdp", "tensor")),)
+    for sequence parallelism. Mesh axes may be a name, a sequence of names or None (replicated); anything else,
+    or an axis not in MESH_AXES, is a ValueError naming the rule."""
+    out = {name: axes for name, axes in base}
+    for rule in overrides:
+        if len(rule) != 2 or not isinstance(rule[0], str):
+            raise ValueError(f"sharding rule {rule!r}: expected (logical name, mesh axes), e.g. "
+                             f"('act_residual_batch', ('data', 'fsdp', 'tensor'))")
+        name, axes = rule
+        axes = tuple(axes) if isinstance(axes, (list, tuple)) else axes
+        names = (axes,) if isinstance(axes, str) else () if axes is None else axes
+        if not isinstance(names, tuple) or any(a not in MESH_AXES for a in names):
+            raise ValueError(f"sharding rule {name!r}: mesh axes {axes!r} not understood; give None, one of "
+                             f"{MESH_AXES} or a sequence of them")
+        out[name] = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes or None
+    return tuple(out.items())
 
 
 def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -11,6 +11,7 @@ E hidden size, V vocab, F intermediate size.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -33,6 +34,32 @@ def _constrain(x, names):
     # A no-op unless logical axis rules and a mesh are active (see sharding.axis_rules); then it pins activation
     # layouts, agreeing with the weights', so GSPMD gathers FSDP weights instead of re-sharding activations.
     return constrain(x, names)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _reshard(x, names, grad_names):
+    """`x` constrained to the layout of `names`, its gradient to that of `grad_names`: the conjugate pair of
+    Megatron's sequence parallelism, which the plain transpose of a constraint (the same layout both ways) is not.
+    Into a sublayer, the residual's rows are all-gathered and the gradient reduce-scattered back; out of it, the
+    partial sums are reduce-scattered to the residual's rows and the gradient all-gathered. Where both names give
+    one layout (no `act_residual_batch` rule, tensor=1) it is a plain constraint."""
+    return _constrain(x, names)
+
+
+def _reshard_fwd(x, names, grad_names):
+    return _constrain(x, names), None
+
+
+def _reshard_bwd(names, grad_names, _, g):
+    return (_constrain(g, grad_names),)
+
+
+_reshard.defvjp(_reshard_fwd, _reshard_bwd)
+
+
+def _residual():
+    """Logical names of the residual stream [B, T, E] between sublayers (`act_residual_batch`: see sharding.py)."""
+    return batch_name("act_residual_batch"), "act_length", "act_embed"
 
 
 def kv_repeats(num_heads: int, num_kv_heads: int) -> int:
@@ -253,10 +280,14 @@ class Attention(nn.Module):
                                   c.lora_scale, repeats, name=name)(x)
 
         repeats = kv_repeats(c.num_heads, c.num_kv_heads)  # 1 but where the mesh splits queries further
-        # Heads that the mesh cannot split (14 on tensor=4) stay whole, and the rows split instead: the input's
-        # share of rows is a slice of the replicated rows, the output is all-gathered back (o_proj's constraint).
+        # Split heads, Megatron's pair (`_reshard`): the input gathered to all rows, the gradient reduce-scattered
+        # back; the output's partial sums reduced to the residual's rows. Heads that the mesh cannot split (14 on
+        # tensor=4) stay whole and the rows split instead: the input is this device's share of the rows (left to
+        # the partitioner both ways: a slice, and a gather back), o_proj runs on it, the output is gathered.
         rows = "act_batch" if fully_split("act_heads", c.num_heads) else batch_name("act_attn_batch")
-        x = _constrain(x, (rows, "act_length", "act_embed"))
+        split_heads = rows == "act_batch"
+        share = (rows, "act_length", "act_embed")
+        x = _reshard(x, share, _residual() if split_heads else share)
         if mask is not None and rows != "act_batch":  # the mask's rows go with the queries' (cuDNN needs that)
             mask = _constrain(mask, (rows, "act_length", None))
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
@@ -271,7 +302,9 @@ class Attention(nn.Module):
         out = _constrain(out, (rows, "act_length", "act_heads", None))
         out = OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
                             name="o_proj")(out)
-        return _constrain(out, (rows, "act_length", "act_embed"))
+        if split_heads:
+            return _reshard(out, _residual(), share)
+        return _constrain(_constrain(out, share), _residual())
 
 
 class MLP(nn.Module):
@@ -280,6 +313,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
+        rows = ("act_batch", "act_length", "act_embed")
+        x = _reshard(x, rows, _residual())  # every row of the tensor group into the column-parallel GEMMs
 
         def dense(features, names, name):
             return Linear(features, names, c.dtype, c.param_dtype, c.lora_on(name), c.lora_scale, name=name)
@@ -288,7 +323,7 @@ class MLP(nn.Module):
         gate = _constrain(dense(c.intermediate_size, ("embed", "mlp"), "gate_proj")(x), names)
         up = _constrain(dense(c.intermediate_size, ("embed", "mlp"), "up_proj")(x), names)
         hidden = _constrain(nn.silu(gate) * up, names)
-        return dense(c.hidden_size, ("mlp", "embed"), "down_proj")(hidden)
+        return _reshard(dense(c.hidden_size, ("mlp", "embed"), "down_proj")(hidden), _residual(), rows)
 
 
 class DecoderLayer(nn.Module):
@@ -299,9 +334,9 @@ class DecoderLayer(nn.Module):
         c = self.config
         norm = lambda name: RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name=name)  # noqa: E731
         x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), positions, mask)
-        x = _constrain(x, ("act_batch", "act_length", "act_embed"))
+        x = _constrain(x, _residual())
         x = x + MLP(c, name="mlp")(norm("post_attention_layernorm")(x))
-        return _constrain(x, ("act_batch", "act_length", "act_embed"))
+        return _constrain(x, _residual())
 
 
 class Decoder(nn.Module):
@@ -336,14 +371,14 @@ class Decoder(nn.Module):
         if not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
         table = _constrain(self.embed_tokens.embedding, ("vocab", None)).astype(self.config.dtype)
-        return _constrain(jnp.take(table, input_ids, axis=0), ("act_batch", "act_length", "act_embed"))
+        return _constrain(jnp.take(table, input_ids, axis=0), _residual())
 
     def from_embeddings(self, x, positions, segment_ids=None):
         """The layers and final norm on input embeddings x [B, T, E] (a multimodal model merges image features
         into them first); positions [B, T], or [3, B, T] with mRoPE."""
         mask = None if segment_ids is None else _constrain(attention_mask(segment_ids),
                                                            ("act_batch", "act_length", None))
-        x = _constrain(x, ("act_batch", "act_length", "act_embed"))
+        x = _constrain(x, _residual())
         for layer in self.layers:
             x = layer(x, positions, mask)
         return self.norm(x)

@@ -345,7 +345,8 @@ def sampler_placement(cfg: TrainConfig) -> dict:
 
 
 def sharding_rules(cfg: TrainConfig):
-    return tuple(tuple(r) for r in cfg.sharding_rules) if cfg.sharding_rules else shd.DEFAULT_RULES
+    """The model's default logical axis rules with the config's `sharding_rules` replacing them by name."""
+    return shd.override_rules(cfg.sharding_rules)
 
 
 # ----------------------------------------------------------------------------------- backend and agent

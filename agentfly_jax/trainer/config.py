@@ -46,6 +46,16 @@ def _one_of(*options):
     return (lambda v: v in options), "one of " + ", ".join(repr(o) for o in options)
 
 
+def _sharding_rules_ok(v) -> bool:
+    from agentfly_jax.models.sharding import override_rules  # models import jax; the config module does not
+
+    try:
+        override_rules(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 POSITIVE, NON_NEGATIVE = (_positive, "> 0"), (_non_negative, ">= 0")
 PROBABILITY = (lambda v: 0.0 < v <= 1.0), "in (0, 1]"
 
@@ -416,7 +426,10 @@ class TrainConfig:
     max_nonfinite_steps: int = knob(3, *POSITIVE)
     backend: str = knob("jax", *_one_of("jax", "vllm"))
     chat_template: str = ""  # "": the tokenizer's own; a template name such as "qwen2.5"
-    sharding_rules: tuple = ()  # (): agentfly_jax.models.sharding.DEFAULT_RULES
+    # (logical name, mesh axes) pairs replacing agentfly_jax.models.sharding.DEFAULT_RULES by name, e.g.
+    # (("act_residual_batch", ("data", "fsdp", "tensor")),): sequence parallelism for tensor-parallel meshes
+    sharding_rules: tuple = knob((), _sharding_rules_ok, "(logical name, mesh axes) pairs, the axes None, one of "
+                                 "'data', 'fsdp', 'tensor' or a sequence of them")
     env: EnvSection = knob(factory=EnvSection)
     task: TaskSection = knob(factory=TaskSection)
     tokenizer: TokenizerSection = knob(factory=TokenizerSection)

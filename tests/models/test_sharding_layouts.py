@@ -176,8 +176,9 @@ def test_kv_heads_are_repeated_where_the_mesh_splits_query_heads_further():
         assert (kv_heads * repeats) % shards == 0 and (heads // kv_heads) % repeats == 0
 
 
-def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict):
-    """Logits and one gradient step (SGD: the update is the gradient itself) under `axes` equal one device's."""
+def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict, rules=shd.DEFAULT_RULES):
+    """Logits and one gradient step (SGD: the update is the gradient itself) under `axes` and `rules` equal one
+    device's."""
     model = CausalLM(ModelConfig(**cfg))
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = optax.sgd(1.0)
@@ -190,10 +191,10 @@ def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict):
 
     mesh = shd.make_mesh(axes)
     state = create_train_state(shd.shard_params(model, jax.tree.map(jnp.copy, params), mesh), optimizer)
-    sharding = state_shardings(state, mesh, policy_model=model, policy_opt=optimizer)
+    sharding = state_shardings(state, mesh, policy_model=model, policy_opt=optimizer, rules=rules)
     state = jax.device_put(state, sharding)
     rows_sharded = jax.device_put(rows, NamedSharding(mesh, P(None, ("data", "fsdp"))))
-    with jax.set_mesh(mesh), shd.axis_rules():
+    with jax.set_mesh(mesh), shd.axis_rules(rules):
         logits = jax.jit(model.apply)({"params": state.policy.params}, rows_sharded.tokens[0])
         state, metrics = make_train_step(model, alg, optimizer, state_sharding=sharding)(state, rows_sharded)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(reference_logits), atol=1e-5, rtol=0)
@@ -269,3 +270,65 @@ def test_repeated_kv_heads_forward_equals_one_device_with_bias_and_lora(lora_ran
         out = jax.jit(model.apply)({"params": shd.shard_params(model, params, mesh)},
                                    jax.device_put(ids, shd.batch_sharding(mesh)))
     np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=1e-5, rtol=0)
+
+
+# Megatron's sequence parallelism over rows: the residual stream's rows split over tensor too
+SEQUENCE_PARALLEL = tuple((n, ("data", "fsdp", "tensor") if n == "act_residual_batch" else a)
+                          for n, a in shd.DEFAULT_RULES)
+
+
+@pytest.mark.parametrize("cfg, axes", [(CFG, {"fsdp": 2, "tensor": 2}), (CFG, {"fsdp": 2, "tensor": 4}),
+                                       (UNEVEN, {"tensor": 4})], ids=["fsdp2xtensor2", "fsdp2xtensor4", "uneven"])
+def test_sequence_parallel_residual_compiles_without_rematerialization(capfd, cfg, axes):
+    """With `act_residual_batch` over tensor, each device keeps its share of the residual's rows between sublayers;
+    the sublayers' collectives stay within tensor groups and XLA finds no reshard it must replicate for (the plain
+    transpose of the constraints made the fsdp x tensor backward do exactly that)."""
+    capfd.readouterr()
+    hlo, _ = _compile_update(axes, cfg=cfg, rules=SEQUENCE_PARALLEL, rows_per_shard=4)
+    assert REMAT not in capfd.readouterr().err.lower()
+    moved = _activation_collectives(hlo, int(np.prod(list(axes.values()))))
+    assert moved and not [m for m in moved if m[0] in ("all-to-all", "collective-permute")], moved
+    assert all(1 < group <= axes["tensor"] for _, _, group in moved), moved
+    # the final hidden states come out with the residual's layout: rows over fsdp and tensor
+    mesh = shd.make_mesh(axes, devices=jax.devices()[:int(np.prod(list(axes.values())))])
+    model = CausalLM(ModelConfig(**cfg))
+    params = shd.shard_params(model, init_params(model, jax.random.PRNGKey(0)), mesh, SEQUENCE_PARALLEL)
+    ids = jax.device_put(jnp.ones((4 * mesh.shape["fsdp"], T), jnp.int32), shd.batch_sharding(mesh))
+    with jax.set_mesh(mesh), shd.axis_rules(SEQUENCE_PARALLEL):
+        hidden = jax.jit(lambda p, i: model.apply({"params": p}, i, method=CausalLM.hidden_states))(params, ids)
+    rows = tuple(a for a in ("fsdp", "tensor") if axes.get(a, 1) > 1)
+    assert hidden.sharding.is_equivalent_to(NamedSharding(mesh, P(rows if len(rows) > 1 else rows[0])), 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg, axes", [(CFG, {"fsdp": 2, "tensor": 4}), (UNEVEN, {"fsdp": 2, "tensor": 4})],
+                         ids=["split-heads", "uneven"])
+def test_sequence_parallel_update_equals_one_device(cfg, axes):
+    _assert_sharded_update_equals_one_device(cfg, axes, rules=SEQUENCE_PARALLEL)
+
+
+def test_rule_overrides_replace_by_name_and_refuse_unknown_axes():
+    rules = dict(shd.override_rules([("act_residual_batch", ["data", "fsdp", "tensor"]), ("embed", None),
+                                     ("my_axis", ["tensor"])]))
+    assert rules["act_residual_batch"] == ("data", "fsdp", "tensor") and rules["embed"] is None
+    assert rules["my_axis"] == "tensor" and rules["heads"] == "tensor"  # appended; the others as they were
+    assert len(rules) == len(shd.DEFAULT_RULES) + 1
+    assert shd.override_rules(()) == shd.DEFAULT_RULES
+    with pytest.raises(ValueError, match="'embed'.*'model'"):
+        shd.override_rules([("embed", "model")])
+    with pytest.raises(ValueError, match="expected \\(logical name, mesh axes\\)"):
+        shd.override_rules([("embed",)])
+
+
+def test_config_sharding_rules_are_overrides_checked_when_the_config_is_built():
+    from agentfly_jax.trainer import builders
+    from agentfly_jax.trainer.config import ConfigError, TrainConfig
+    from experiments import quickstart
+
+    c = quickstart.get_config()
+    c.sharding_rules = (("act_residual_batch", ("data", "fsdp", "tensor")),)
+    rules = dict(builders.sharding_rules(TrainConfig.build(c)))
+    assert rules["act_residual_batch"] == ("data", "fsdp", "tensor") and rules["embed"] == "fsdp"
+    c.sharding_rules = (("act_residual_batch", ("data", "model")),)
+    with pytest.raises(ConfigError, match="sharding_rules"):
+        TrainConfig.build(c)
