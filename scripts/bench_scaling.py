@@ -3,6 +3,8 @@
     python scripts/bench_scaling.py --shapes 0.5b --devices 1,2,4                     # every layout, one process
     python scripts/bench_scaling.py --shapes 0.5b --devices 4 --processes 2           # + 2 processes x 2 devices
     python scripts/bench_scaling.py --shapes tiny --devices 1,4 --steps 2 --seq-len 32  # CPU: fake devices
+    python scripts/bench_scaling.py --shapes 1.5b --devices 1,2,4 --precompile 8       # compile all first, 8 at once
+    python scripts/bench_scaling.py --layouts tensor --rule act_residual_batch=data,fsdp,tensor  # another rule
 
 Weak scaling: every device gets --rows-per-device rows of --seq-len tokens, so N devices step on N times the
 tokens of one device (each layout splits the same global batch its own way). A layout's efficiency on N devices
@@ -34,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 # Runnable as `python scripts/bench_scaling.py` from a checkout without installing the package.
@@ -225,8 +228,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_env(platform: str, device_ids: list[str], local_devices: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+def _worker_env(platform: str, device_ids: list[str], local_devices: int, extra: dict | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+           **(extra or {})}
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
     if platform == "cpu":
         env.update(JAX_PLATFORMS="cpu",
@@ -237,7 +241,8 @@ def _worker_env(platform: str, device_ids: list[str], local_devices: int) -> dic
     return env
 
 
-def run_layout(args, shape: str, layout: str, devices: int, processes: int, platform: str, gpus: list[str]) -> dict:
+def run_layout(args, shape: str, layout: str, devices: int, processes: int, platform: str, gpus: list[str],
+               extra_env: dict | None = None) -> dict:
     """Runs one (shape, layout, devices) in `processes` worker processes -> process 0's result, with the count of
     rematerialization warnings that any of them logged while compiling (or `error` when a worker failed)."""
     local = devices // processes
@@ -254,7 +259,7 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
         argv = [sys.executable, os.path.abspath(__file__), "--worker", *worker_args]
         if processes > 1:
             argv += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(pid)]
-        env = _worker_env(platform, gpus[pid * local:(pid + 1) * local], local)
+        env = _worker_env(platform, gpus[pid * local:(pid + 1) * local], local, extra_env)
         procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outputs, deadline = [], time.monotonic() + args.timeout  # (returncode, stdout, stderr) of each process
@@ -327,6 +332,35 @@ def _summary(results: list[dict], args) -> list[str]:
     return lines
 
 
+def precompile(args, platform: str, gpus: list[str]) -> None:
+    """Compiles every planned run's program into JAX's persistent compilation cache, `args.precompile` runs at a
+    time (compile-only workers: abstract inputs, no preallocated device memory), so that each timed run then
+    loads its program instead of compiling it while the other devices wait. Compiling is host work, so on a host
+    with cores to spare the whole plan's compiles take about as long as the slowest one. The cache is
+    JAX_COMPILATION_CACHE_DIR (a temporary directory when unset), set here for the timed runs too. XLA's GEMM
+    autotuning of the concurrent compiles shares the devices; a timed run still reports its own `compile_s` (a
+    cache hit: seconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-scaling-xla-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however fast it compiled
+    pre = argparse.Namespace(**{**vars(args), "compile_only": True})
+    extra = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    t0 = time.monotonic()
+
+    def one(run):
+        r = run_layout(pre, *run, platform, gpus, extra)
+        print(f"precompiled {run[0]} {run[1]} on {run[2]} devices ({run[3]} processes): "
+              + (f"failed: {r['error'][:200]}" if "error" in r else f"{r['compile_s']} s"), file=sys.stderr,
+              flush=True)
+
+    with ThreadPoolExecutor(args.precompile) as pool:
+        list(pool.map(one, _plan(args)))
+    print(f"precompiled {len(_plan(args))} programs in {time.monotonic() - t0:.0f} s into "
+          f"{os.environ['JAX_COMPILATION_CACHE_DIR']}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="0.5b", help=f"comma-separated, of {', '.join(SHAPE_NAMES)}")
@@ -349,6 +383,9 @@ def main(argv=None) -> int:
                    help="lower and compile on abstract inputs (nothing allocated): warnings and collectives only")
     p.add_argument("--platform", choices=["auto", "gpu", "cpu"], default="auto",
                    help="auto: the GPUs nvidia-smi lists (or CUDA_VISIBLE_DEVICES), else fake CPU devices")
+    p.add_argument("--precompile", type=int, default=0, metavar="J",
+                   help="first compile every run's program, J at a time, into the persistent compilation cache "
+                        "(see precompile); 0: each run compiles its own")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run before its workers are killed")
     p.add_argument("--init-timeout", type=int, default=120, help="seconds for the processes of a run to connect")
     p.add_argument("--out", help="append the JSON lines to this file")
@@ -383,8 +420,10 @@ def main(argv=None) -> int:
         p.error(f"--devices and --processes take comma-separated integers ({e})")
     if min(args.devices) < 1 or min(args.processes) < 1:
         p.error("--devices and --processes must be >= 1")
-    if args.rows_per_device < 1 or args.seq_len < 2 or args.steps < 1 or args.warmup < 0 or args.chunk < 0:
-        p.error("--rows-per-device >= 1, --seq-len >= 2, --steps >= 1, --warmup >= 0 and --chunk >= 0")
+    if (args.rows_per_device < 1 or args.seq_len < 2 or args.steps < 1 or args.warmup < 0 or args.chunk < 0
+            or args.precompile < 0):
+        p.error("--rows-per-device >= 1, --seq-len >= 2, --steps >= 1, --warmup >= 0, --chunk >= 0 and "
+                "--precompile >= 0")
     gpus = _gpu_ids() if args.platform in ("auto", "gpu") else []
     platform = "gpu" if gpus else "cpu"
     if args.platform == "gpu" and not gpus:
@@ -392,6 +431,8 @@ def main(argv=None) -> int:
     if platform == "gpu" and max(args.devices) > len(gpus):
         p.error(f"--devices {max(args.devices)} but only {len(gpus)} GPUs are visible ({','.join(gpus)})")
 
+    if args.precompile and not args.compile_only:
+        precompile(args, platform, gpus)
     results, baseline, single_process = [], {}, {}
     for shape, layout, devices, processes in _plan(args):
         r = run_layout(args, shape, layout, devices, processes, platform, gpus)

@@ -3,6 +3,7 @@ fsdp x tensor on four), reports consistent figures and no rematerialization; two
 jax.distributed step on the same batch as one; a failed worker fails the script."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,30 @@ def test_compile_only_reports_collectives_and_no_rematerialization(tmp_path):
     assert record["remat_warnings"] == 0 and record["collectives"]["all-reduce"] > 0
     assert record["collectives"]["all-to-all"] == record["collectives"]["collective-permute"] == 0
     assert "| tiny | tensor | 4 | 1 | " in proc.stdout and "| compile s | all-gather |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_precompiled_runs_load_their_programs_from_the_cache(tmp_path):
+    """--precompile compiles every run's program first (concurrently, compile-only workers); the timed runs then
+    find theirs in the persistent cache: the cache holds one train-step program per run and no more, and the
+    rule override reaches the workers (its own program, recorded in the JSON)."""
+    out, cache = tmp_path / "scaling.jsonl", tmp_path / "cache"
+    env_cache = {"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    args = [*SHORT, "--devices", "1,4", "--layouts", "fsdp_tensor", "--precompile", "2", "--out", str(out),
+            "--rule", "act_residual_batch=data,fsdp,tensor"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **env_cache}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "scripts/bench_scaling.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    single, sharded = _records(out)
+    assert "precompiled 2 programs" in proc.stderr
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir() if p.name.startswith("jit_train_step")) == [
+        "jit_train_step"] * 2
+    compiled = {int(d): float(t) for d, t in re.findall(r"precompiled tiny \S+ on (\d) devices \(1 processes\): "
+                                                        r"([0-9.]+) s", proc.stderr)}
+    assert set(compiled) == {1, 4}, proc.stderr[-2000:]
+    for r in (single, sharded):  # loaded, not compiled again (seconds against a fraction of one)
+        assert r["compile_s"] < 0.5 * compiled[r["devices"]], (r["compile_s"], compiled)
+    assert sharded["rules"] == {"act_residual_batch": ["data", "fsdp", "tensor"]}
+    assert sharded["remat_warnings"] == 0 and np.isfinite(sharded["loss"]) and single["tokens_per_s"] > 0
