@@ -28,6 +28,7 @@ there check that everything compiles and runs, they are not a measure of scaling
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # Runnable as `python scripts/bench_scaling.py` from a checkout without installing the package.
@@ -222,10 +224,20 @@ def _rule_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_PORTS_LOCK, _PORTS_GIVEN = threading.Lock(), set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free local port for a run's coordinator, never one given before in this process (concurrent runs of
+    `precompile` each get their own)."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
 
 
 def _worker_env(platform: str, device_ids: list[str], local_devices: int, extra: dict | None = None) -> dict:
@@ -277,7 +289,8 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    base = {"shape": shape, "layout": layout if devices > 1 else "single", "devices": devices, "processes": processes}
+    base = {"shape": shape, "layout": layout if devices > 1 else "single", "devices": devices, "processes": processes,
+            "rules": dict(args.rule or [])}
     warnings = sum(err.lower().count(REMAT_WARNING) for _, _, err in outputs)
     failed = [(rc, err) for rc, _, err in outputs if rc != 0]
     results = [ln for ln in outputs[0][1].splitlines() if ln.startswith("RESULT ")]
@@ -332,33 +345,42 @@ def _summary(results: list[dict], args) -> list[str]:
     return lines
 
 
-def precompile(args, platform: str, gpus: list[str]) -> None:
+def precompile(args, platform: str, gpus: list[str]) -> dict:
     """Compiles every planned run's program into JAX's persistent compilation cache, `args.precompile` runs at a
     time (compile-only workers: abstract inputs, no preallocated device memory), so that each timed run then
-    loads its program instead of compiling it while the other devices wait. Compiling is host work, so on a host
-    with cores to spare the whole plan's compiles take about as long as the slowest one. The cache is
-    JAX_COMPILATION_CACHE_DIR (a temporary directory when unset), set here for the timed runs too. XLA's GEMM
-    autotuning of the concurrent compiles shares the devices; a timed run still reports its own `compile_s` (a
-    cache hit: seconds)."""
+    loads its program instead of compiling it while the other devices wait; returns each run's compile-only record
+    (its rematerialization warnings: a timed run that loads its program compiles nothing and so logs none).
+    Compiling is host work, so on a host with cores to spare the whole plan's compiles take about as long as the
+    slowest one. The cache is JAX_COMPILATION_CACHE_DIR (a temporary directory, removed at exit, when unset), and
+    every program is cached however fast it compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, also for the
+    timed runs). Caveat: XLA's GEMM autotuning measures kernels while other compiles share the devices, and the
+    timed runs inherit its picks; with cuBLAS GEMMs (the trainer's default) it picks among few algorithms."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-scaling-xla-cache-")
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however fast it compiled
+        cache = tempfile.mkdtemp(prefix="bench-scaling-xla-cache-")
+        atexit.register(shutil.rmtree, cache, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     pre = argparse.Namespace(**{**vars(args), "compile_only": True})
     extra = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    t0 = time.monotonic()
+    plan, t0 = _plan(args), time.monotonic()
 
     def one(run):
-        r = run_layout(pre, *run, platform, gpus, extra)
+        try:
+            r = run_layout(pre, *run, platform, gpus, extra)
+        except Exception as e:  # noqa: BLE001 - the timed run then compiles (and fails) on its own
+            r = {"error": f"{type(e).__name__}: {e}", "remat_warnings": 0}
         print(f"precompiled {run[0]} {run[1]} on {run[2]} devices ({run[3]} processes): "
               + (f"failed: {r['error'][:200]}" if "error" in r else f"{r['compile_s']} s"), file=sys.stderr,
               flush=True)
+        return run, r
 
     with ThreadPoolExecutor(args.precompile) as pool:
-        list(pool.map(one, _plan(args)))
-    print(f"precompiled {len(_plan(args))} programs in {time.monotonic() - t0:.0f} s into "
+        records = dict(pool.map(one, plan))
+    print(f"precompiled {len(plan)} programs in {time.monotonic() - t0:.0f} s into "
           f"{os.environ['JAX_COMPILATION_CACHE_DIR']}", file=sys.stderr, flush=True)
+    return records
 
 
 def main(argv=None) -> int:
@@ -431,11 +453,14 @@ def main(argv=None) -> int:
     if platform == "gpu" and max(args.devices) > len(gpus):
         p.error(f"--devices {max(args.devices)} but only {len(gpus)} GPUs are visible ({','.join(gpus)})")
 
-    if args.precompile and not args.compile_only:
-        precompile(args, platform, gpus)
+    precompiled = precompile(args, platform, gpus) if args.precompile and not args.compile_only else {}
     results, baseline, single_process = [], {}, {}
     for shape, layout, devices, processes in _plan(args):
         r = run_layout(args, shape, layout, devices, processes, platform, gpus)
+        pre = precompiled.get((shape, layout, devices, processes))
+        if pre is not None:  # the warnings were logged when the program was compiled, in the precompile
+            r["remat_warnings"] += pre["remat_warnings"]
+            r["precompiled"] = "error" not in pre
         if "tokens_per_s" in r:
             if devices == 1:
                 baseline[shape] = r["tokens_per_s"]

@@ -5,11 +5,29 @@
 # 1,650) on two pytest-xdist workers, a file per worker; then the `slow` ones (training runs, several processes,
 # vLLM servers, timing bounds) one after another, with the machine to themselves. Both phases must pass. A phase
 # that selects no test (extra args naming only slow or only quick tests) is fine; both selecting none is a failure.
+# With a marker expression of the caller's (-m), one run of exactly that selection.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
 workers="${AGENTFLY_TEST_WORKERS:-2}"
+# A marker expression of the caller's (-m EXPR) replaces the phases' own (pytest keeps the last -m), so with one
+# the selection is the caller's alone: one run, one after another.
+for arg in "$@"; do
+  case "$arg" in
+    -m*|-[a-zA-Z]*m)  # -m EXPR, -mEXPR, or -m last among combined short flags (-xm EXPR)
+      set +e
+      .venv/bin/python -m pytest "$@"
+      rc=$?
+      set -e
+      if [ "$rc" -eq 5 ]; then
+        echo "pytest collected no tests: treating that as a failure" >&2
+        exit 1
+      fi
+      exit "$rc"
+      ;;
+  esac
+done
 set +e
 .venv/bin/python -m pytest -m "not slow" -n "$workers" --dist loadfile "$@"
 quick=$?

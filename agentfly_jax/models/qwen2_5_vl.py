@@ -49,6 +49,7 @@ from agentfly_jax.models.transformer import (
     _constrain,
     _param_init,
     dot_product_attention,
+    head_input,
 )
 
 _VISION_NORM_EPS = 1e-6  # transformers hard-codes it for the vision blocks and the merger
@@ -415,6 +416,7 @@ class Qwen2_5_VLCausalLM(nn.Module):
         return self.model.from_embeddings(x, positions, segment_ids)
 
     def logits_from_hidden(self, hidden):
+        hidden = head_input(hidden)
         logits = self.model.attend(hidden) if self.config.tie_word_embeddings else self.lm_head(hidden)
         return _constrain(logits, ("act_batch", "act_length", "act_vocab"))
 

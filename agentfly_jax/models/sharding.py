@@ -63,21 +63,25 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def override_rules(overrides, base=DEFAULT_RULES) -> tuple:
-    """`base` with each (name, mesh axes) of `overrides` replacing that name's rule, names new to `base` appended:
-    an experiment states only the rules it changes, e.g. (("act_residual_batch", ("data", "fsdp", "tensor")),)
-    for sequence parallelism. Mesh axes may be a name, a sequence of names or None (replicated); anything else,
-    or an axis not in MESH_AXES, is a ValueError naming the rule."""
+    """`base` with each (name, mesh axes) of `overrides` replacing that name's rule: an experiment states only the
+    rules it changes, e.g. (("act_residual_batch", ("data", "fsdp", "tensor")),) for sequence parallelism; a name
+    left out keeps its rule. Mesh axes: None (replicated), one of MESH_AXES or a sequence of distinct ones. A name
+    that `base` does not have (a typo would otherwise change nothing), axes that are not mesh axes or repeat one,
+    and anything not a pair are ValueErrors naming the rule."""
     out = {name: axes for name, axes in base}
     for rule in overrides:
-        if len(rule) != 2 or not isinstance(rule[0], str):
+        if not isinstance(rule, (list, tuple)) or len(rule) != 2 or not isinstance(rule[0], str):
             raise ValueError(f"sharding rule {rule!r}: expected (logical name, mesh axes), e.g. "
                              f"('act_residual_batch', ('data', 'fsdp', 'tensor'))")
         name, axes = rule
+        if name not in out:
+            raise ValueError(f"sharding rule {name!r}: no such logical name; the rules name "
+                             f"{', '.join(sorted(out))}")
         axes = tuple(axes) if isinstance(axes, (list, tuple)) else axes
         names = (axes,) if isinstance(axes, str) else () if axes is None else axes
-        if not isinstance(names, tuple) or any(a not in MESH_AXES for a in names):
+        if not isinstance(names, tuple) or any(a not in MESH_AXES for a in names) or len(set(names)) < len(names):
             raise ValueError(f"sharding rule {name!r}: mesh axes {axes!r} not understood; give None, one of "
-                             f"{MESH_AXES} or a sequence of them")
+                             f"{MESH_AXES} or a sequence of distinct ones")
         out[name] = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes or None
     return tuple(out.items())
 

@@ -62,6 +62,12 @@ def _residual():
     return batch_name("act_residual_batch"), "act_length", "act_embed"
 
 
+def head_input(hidden):
+    """Final hidden states [B, T, E] into the output head (vocabulary split over `tensor`): every row of the tensor
+    group, the gradient back to the residual's rows (a reduce-scatter with sequence parallelism, see `_reshard`)."""
+    return _reshard(hidden, ("act_batch", "act_length", "act_embed"), _residual())
+
+
 def kv_repeats(num_heads: int, num_kv_heads: int) -> int:
     """How many times each kv head is computed so that k and v split over the active mesh like the H queries.
 
@@ -407,7 +413,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, segment_ids)
 
     def logits_from_hidden(self, hidden):
-        hidden = _constrain(hidden, ("act_batch", "act_length", "act_embed"))
+        hidden = head_input(hidden)
         logits = self.model.attend(hidden) if self.config.tie_word_embeddings else self.lm_head(hidden)
         return _constrain(logits, ("act_batch", "act_length", "act_vocab"))
 

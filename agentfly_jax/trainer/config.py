@@ -47,12 +47,13 @@ def _one_of(*options):
 
 
 def _sharding_rules_ok(v) -> bool:
+    """True, or a ConfigError naming the rule that `models.sharding.override_rules` refuses."""
     from agentfly_jax.models.sharding import override_rules  # models import jax; the config module does not
 
     try:
         override_rules(v)
-    except (TypeError, ValueError):
-        return False
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.sharding_rules: {e}") from None
     return True
 
 
@@ -426,8 +427,9 @@ class TrainConfig:
     max_nonfinite_steps: int = knob(3, *POSITIVE)
     backend: str = knob("jax", *_one_of("jax", "vllm"))
     chat_template: str = ""  # "": the tokenizer's own; a template name such as "qwen2.5"
-    # (logical name, mesh axes) pairs replacing agentfly_jax.models.sharding.DEFAULT_RULES by name, e.g.
-    # (("act_residual_batch", ("data", "fsdp", "tensor")),): sequence parallelism for tensor-parallel meshes
+    # (logical name, mesh axes) pairs replacing agentfly_jax.models.sharding.DEFAULT_RULES by name (a name left
+    # out keeps its default; None replicates), e.g. (("act_residual_batch", ("data", "fsdp", "tensor")),):
+    # sequence parallelism for tensor-parallel meshes
     sharding_rules: tuple = knob((), _sharding_rules_ok, "(logical name, mesh axes) pairs, the axes None, one of "
                                  "'data', 'fsdp', 'tensor' or a sequence of them")
     env: EnvSection = knob(factory=EnvSection)

@@ -3,7 +3,8 @@
 The policy update step, compiled under fsdp x tensor meshes of fake CPU devices (tests/conftest.py), must compile
 without the SPMD partitioner's "involuntary full rematerialization" and move no activation between devices except
 by the all-reduces of tensor parallelism over each device's own rows: no all-to-all, no collective-permute, no
-all-gather of tokens or activations, no reduction over the batch's shards. The same program before the fix
+all-gather of tokens or activations, no reduction over the batch's shards (where the heads split; where they do
+not, attention's rows are gathered within tensor, and with sequence parallelism the residual's). The same program before the fix
 gathered every device's tokens for the embedding lookup, all-reduced the full batch's embeddings over all devices
 and moved them back with an all-to-all. Where the mesh cuts query heads further than the kv heads, kv heads are
 repeated; that path must give the single-device numbers.
@@ -309,15 +310,19 @@ def test_sequence_parallel_update_equals_one_device(cfg, axes):
 
 def test_rule_overrides_replace_by_name_and_refuse_unknown_axes():
     rules = dict(shd.override_rules([("act_residual_batch", ["data", "fsdp", "tensor"]), ("embed", None),
-                                     ("my_axis", ["tensor"])]))
+                                     ("vocab", ["tensor"]), ("mlp", [])]))
     assert rules["act_residual_batch"] == ("data", "fsdp", "tensor") and rules["embed"] is None
-    assert rules["my_axis"] == "tensor" and rules["heads"] == "tensor"  # appended; the others as they were
-    assert len(rules) == len(shd.DEFAULT_RULES) + 1
+    assert rules["vocab"] == "tensor" and rules["mlp"] is None and rules["heads"] == "tensor"  # others as they were
+    assert list(rules) == [name for name, _ in shd.DEFAULT_RULES]
     assert shd.override_rules(()) == shd.DEFAULT_RULES
     with pytest.raises(ValueError, match="'embed'.*'model'"):
         shd.override_rules([("embed", "model")])
     with pytest.raises(ValueError, match="expected \\(logical name, mesh axes\\)"):
         shd.override_rules([("embed",)])
+    with pytest.raises(ValueError, match="'act_residual_bach': no such logical name"):  # a typo changes nothing
+        shd.override_rules([("act_residual_bach", "tensor")])
+    with pytest.raises(ValueError, match="distinct"):
+        shd.override_rules([("embed", ("tensor", "tensor"))])
 
 
 def test_config_sharding_rules_are_overrides_checked_when_the_config_is_built():
@@ -330,5 +335,26 @@ def test_config_sharding_rules_are_overrides_checked_when_the_config_is_built():
     rules = dict(builders.sharding_rules(TrainConfig.build(c)))
     assert rules["act_residual_batch"] == ("data", "fsdp", "tensor") and rules["embed"] == "fsdp"
     c.sharding_rules = (("act_residual_batch", ("data", "model")),)
-    with pytest.raises(ConfigError, match="sharding_rules"):
+    with pytest.raises(ConfigError, match="config.sharding_rules: sharding rule 'act_residual_batch': mesh axes"):
         TrainConfig.build(c)
+
+
+def test_reshard_constrains_the_value_one_way_and_its_gradient_the_other():
+    """`_reshard(x, names, grad_names)`: the forward value takes the layout of `names` (all rows of the tensor
+    group), the gradient that of `grad_names` (the residual's rows over fsdp x tensor), where a plain constraint's
+    gradient would keep the forward layout."""
+    from agentfly_jax.models.transformer import _reshard
+
+    mesh = shd.make_mesh({"fsdp": 2, "tensor": 4})
+    rows, residual = ("act_batch", "act_length", "act_embed"), ("act_residual_batch", "act_length", "act_embed")
+    x = jax.device_put(jnp.arange(8 * 4 * 16, dtype=jnp.float32).reshape(8, 4, 16),
+                       NamedSharding(mesh, P(("fsdp", "tensor"))))
+    with jax.set_mesh(mesh), shd.axis_rules(SEQUENCE_PARALLEL):
+        value = jax.jit(lambda a: _reshard(a, rows, residual) * 2.0)(x)
+        grad = jax.jit(jax.grad(lambda a: (_reshard(a, rows, residual) * 3.0).sum()))(x)
+        plain = jax.jit(jax.grad(lambda a: (shd.constrain(a, rows) * 3.0).sum()))(x)
+    assert value.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 3)
+    assert grad.sharding.is_equivalent_to(NamedSharding(mesh, P(("fsdp", "tensor"))), 3)
+    assert plain.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 3)  # the control
+    np.testing.assert_array_equal(np.asarray(value), 2.0 * np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(grad), np.full(x.shape, 3.0, np.float32))

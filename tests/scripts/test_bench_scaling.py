@@ -115,4 +115,5 @@ def test_precompiled_runs_load_their_programs_from_the_cache(tmp_path):
     for r in (single, sharded):  # loaded, not compiled again (seconds against a fraction of one)
         assert r["compile_s"] < 0.5 * compiled[r["devices"]], (r["compile_s"], compiled)
     assert sharded["rules"] == {"act_residual_batch": ["data", "fsdp", "tensor"]}
+    assert single["precompiled"] is True and sharded["precompiled"] is True  # warnings counted from there
     assert sharded["remat_warnings"] == 0 and np.isfinite(sharded["loss"]) and single["tokens_per_s"] > 0
