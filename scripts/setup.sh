@@ -42,6 +42,18 @@ else
   fi
   echo "$want" > "$stamp"
 fi
+# The editable install must point at this checkout: a venv made in another clone or a moved directory would import
+# that code instead (or nothing, where it is gone) in every script run as `python scripts/...`.
+here="$(cd "$ROOT" && pwd -P)"
+linked="$(cd / && "$VENV/bin/python" -c 'import os, agentfly_jax
+print(os.path.dirname(os.path.dirname(os.path.realpath(agentfly_jax.__file__))))' 2>/dev/null || true)"
+if [ "$linked" != "$here" ]; then
+  log "the package's editable install points at ${linked:-nothing}; linking it to this checkout"
+  if ! out="$("$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2>&1)"; then
+    printf '%s\n' "$out" >&2
+    exit 1
+  fi
+fi
 
 # Optional parts, each idempotent and each owning its own installs (system packages, extra venvs, daemons).
 for part in scripts/setup_sandbox.sh scripts/setup_vllm.sh scripts/setup_envs.sh scripts/setup_models.sh; do
