@@ -80,14 +80,18 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 
 
 def parse_rule(text: str) -> tuple[str, str | tuple[str, ...] | None]:
-    """`NAME=AXES` (comma-separated mesh axes, or empty for none) -> a logical axis rule."""
+    """`NAME=AXES` (comma-separated mesh axes, or empty for none) -> a logical axis rule, checked by the trainer's
+    own `sharding.override_rules` (a known name, mesh axes, none twice)."""
+    from agentfly_jax.models.sharding import override_rules
+
     name, sep, axes = text.partition("=")
-    parts = tuple(a.strip() for a in axes.split(",") if a.strip())
-    unknown = [a for a in parts if a not in ("data", "fsdp", "tensor")]
-    if not sep or not name.strip() or unknown:
+    if not sep or not name.strip():
         raise ValueError(f"--rule {text!r}: expected NAME=AXES with AXES comma-separated of data, fsdp, tensor "
                          f"(or empty), e.g. act_residual_batch=data,fsdp")
-    return name.strip(), (None if not parts else parts[0] if len(parts) == 1 else parts)
+    parts = tuple(a.strip() for a in axes.split(",") if a.strip())
+    rule = name.strip(), (None if not parts else parts[0] if len(parts) == 1 else parts)
+    override_rules([rule])
+    return rule
 
 
 # ============================================================================================== the worker

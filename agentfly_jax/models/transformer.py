@@ -294,7 +294,7 @@ class Attention(nn.Module):
         split_heads = rows == "act_batch"
         share = (rows, "act_length", "act_embed")
         x = _reshard(x, share, _residual() if split_heads else share)
-        if mask is not None and rows != "act_batch":  # the mask's rows go with the queries' (cuDNN needs that)
+        if mask is not None and not split_heads:  # the mask's rows go with the queries' (cuDNN needs that)
             mask = _constrain(mask, (rows, "act_length", None))
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
         k = proj(c.num_kv_heads, "kv_heads", "k_proj", repeats)  # [B, T, K * repeats, D]

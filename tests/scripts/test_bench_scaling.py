@@ -77,6 +77,8 @@ def test_bad_arguments_are_refused_in_one_line():
     assert proc.returncode == 2 and "--layouts: ['pipeline'] not understood" in proc.stderr
     proc = _run(["--devices", "two"])
     assert proc.returncode == 2 and "--devices and --processes take comma-separated integers" in proc.stderr
+    proc = _run(["--rule", "act_residual_bach=tensor"])  # the trainer's own rule check, before any worker runs
+    assert proc.returncode == 2 and "sharding rule 'act_residual_bach': no such logical name" in proc.stderr
 
 
 @pytest.mark.slow
