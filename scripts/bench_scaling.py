@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 
+_STARTED = time.monotonic()  # a worker's phases are timed from its start (`phases_s`)
 # Runnable as `python scripts/bench_scaling.py` from a checkout without installing the package.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -123,6 +124,11 @@ def _host_batch(args, shape: dict, global_rows: int):
 
 def run_worker(args) -> dict:
     """Builds, compiles and times the update step of one shape and layout on the devices this process sees."""
+    phases = {}
+
+    def phase(name):  # seconds since the worker started, at the end of each phase
+        phases[name] = round(time.monotonic() - _STARTED, 2)
+
     import jax
 
     if args.num_processes > 1:
@@ -147,6 +153,7 @@ def run_worker(args) -> dict:
 
     devices = jax.device_count()
     gpu = jax.default_backend() == "gpu"
+    phase("devices")
     shape = SHAPES[SHAPE_NAMES[args.shape]]
     dtype = jnp.bfloat16 if gpu else jnp.float32
     config = ModelConfig(**shape, qkv_bias=True, family="qwen2", dtype=dtype,
@@ -158,11 +165,26 @@ def run_worker(args) -> dict:
     rules = shd.override_rules(args.rule or ())
     global_rows = args.rows_per_device * devices
 
-    def new_state(key):
-        params = nn.unbox(model.init(key, jnp.zeros((1, 8), jnp.int32)))["params"]
-        return create_train_state(params, optimizer)
+    abstract_params = jax.eval_shape(
+        lambda: nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))["params"])
 
-    abstract_state = jax.eval_shape(new_state, jax.random.PRNGKey(0))
+    def new_state():
+        """Deterministic weights of the model's shapes without running its initialisers: flax's init traces the
+        whole model and draws every weight from threefry, which took 70 s (one H200) to 140 s (four) to compile
+        and run at the 0.5B shape, more than the run it prepares. Norm scales 1, biases 0, the rest a fixed
+        pattern of +-0.02: the step's time does not depend on the values, only its loss must stay finite."""
+        def leaf(path, x):
+            name = str(getattr(path[-1], "key", path[-1]))
+            if name == "scale":
+                return jnp.ones(x.shape, x.dtype)
+            if name == "bias":
+                return jnp.zeros(x.shape, x.dtype)
+            return (0.02 * jnp.sin(jnp.arange(x.size, dtype=jnp.float32) * 0.7 + len(path))).reshape(x.shape
+                                                                                                    ).astype(x.dtype)
+
+        return create_train_state(jax.tree_util.tree_map_with_path(leaf, abstract_params), optimizer)
+
+    abstract_state = jax.eval_shape(new_state)
     sharding = state_shardings(abstract_state, mesh, policy_model=model, policy_opt=optimizer, rules=rules)
     rows_sharding = NamedSharding(mesh, P(None, ("data", "fsdp")))
     host_rows = _host_batch(args, shape, global_rows)
@@ -171,22 +193,26 @@ def run_worker(args) -> dict:
                              sharding)
         rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows_sharding), host_rows)
     else:
-        state = jax.jit(new_state, out_shardings=sharding)(jax.random.PRNGKey(0))
+        state = jax.jit(new_state, out_shardings=sharding)()
         # each process supplies the slices of the (identical) host batch that its devices hold
         rows = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, rows_sharding, lambda idx: x[idx]),
                             host_rows)
+        jax.block_until_ready((state, rows))
+    phase("state")
 
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), shd.axis_rules(rules):
         step = make_train_step(model, alg, optimizer, state_sharding=sharding)
         compiled = step.lower(state, rows).compile()
     compile_s = time.perf_counter() - t0
+    phase("compile")
     result = {"shape": args.shape, "layout": args.layout if devices > 1 else "single", "devices": devices,
               "processes": jax.process_count(), "mesh": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
               "dtype": jnp.dtype(dtype).name, "rows_per_device": args.rows_per_device, "seq_len": args.seq_len,
               "global_tokens": global_rows * args.seq_len, "layer_remat": args.layer_remat, "chunk": args.chunk,
               "rules": dict(args.rule or []), "compile_s": round(compile_s, 2),
-              "collectives": count_collectives(compiled.as_text())}
+              "collectives": count_collectives(compiled.as_text()), "phases_s": phases,
+              "xla_flags": _callers_flags(os.environ.get("XLA_FLAGS", ""))}
     if args.compile_only:
         return result
 
@@ -200,6 +226,7 @@ def run_worker(args) -> dict:
             times.append(time.perf_counter() - t0)
     if not np.isfinite(loss):
         raise RuntimeError(f"the update step's loss is {loss}")
+    phase("steps")
     median = statistics.median(times)
     stats = jax.local_devices()[0].memory_stats() or {}
     result.update(step_ms=round(1e3 * median, 3), step_ms_min=round(1e3 * min(times), 3),
@@ -244,10 +271,15 @@ def _free_port() -> int:
                 return port
 
 
+def _callers_flags(flags: str) -> str:
+    """XLA_FLAGS without the fake CPU device count, which the driver sets per worker."""
+    return re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags).strip()
+
+
 def _worker_env(platform: str, device_ids: list[str], local_devices: int, extra: dict | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            **(extra or {})}
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+    flags = _callers_flags(env.get("XLA_FLAGS", ""))
     if platform == "cpu":
         env.update(JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={local_devices}".strip())
@@ -262,7 +294,7 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
     """Runs one (shape, layout, devices) in `processes` worker processes -> process 0's result, with the count of
     rematerialization warnings that any of them logged while compiling (or `error` when a worker failed)."""
     local = devices // processes
-    port = _free_port()
+    port, started = _free_port(), time.monotonic()
     worker_args = ["--shape", shape, "--layout", layout, "--rows-per-device", str(args.rows_per_device),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--chunk", str(args.chunk), "--init-timeout", str(args.init_timeout)]
@@ -294,7 +326,7 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
                 p.kill()
                 p.wait()
     base = {"shape": shape, "layout": layout if devices > 1 else "single", "devices": devices, "processes": processes,
-            "rules": dict(args.rule or [])}
+            "rules": dict(args.rule or []), "wall_s": round(time.monotonic() - started, 1)}  # start to every exit
     warnings = sum(err.lower().count(REMAT_WARNING) for _, _, err in outputs)
     failed = [(rc, err) for rc, _, err in outputs if rc != 0]
     results = [ln for ln in outputs[0][1].splitlines() if ln.startswith("RESULT ")]
@@ -304,7 +336,7 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
         raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln)]  # the exception
         tail = raised[-1:] + lines[-3:]
         return {**base, "error": f"worker exited {rc}: " + " | ".join(tail)[-1500:], "remat_warnings": warnings}
-    return {**json.loads(results[-1][len("RESULT "):]), "remat_warnings": warnings}
+    return {**json.loads(results[-1][len("RESULT "):]), "remat_warnings": warnings, "wall_s": base["wall_s"]}
 
 
 def _plan(args) -> list[tuple[str, str, int, int]]:
@@ -358,7 +390,10 @@ def precompile(args, platform: str, gpus: list[str]) -> dict:
     slowest one. The cache is JAX_COMPILATION_CACHE_DIR (a temporary directory, removed at exit, when unset), and
     every program is cached however fast it compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0, also for the
     timed runs). Caveat: XLA's GEMM autotuning measures kernels while other compiles share the devices, and the
-    timed runs inherit its picks; with cuBLAS GEMMs (the trainer's default) it picks among few algorithms."""
+    timed runs inherit its picks; with cuBLAS GEMMs (the trainer's default) it picks among few algorithms.
+    On 4 H200s (jaxlib 0.11.2) only the one-device program was then loaded; the timed multi-GPU runs compiled
+    theirs again (27 s against the precompile's 25 s; the records' `compile_s` show it), so there it saved nothing.
+    """
     from concurrent.futures import ThreadPoolExecutor
 
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -427,7 +462,10 @@ def main(argv=None) -> int:
         result = run_worker(args)
         if result["processes"] == 1 or args.process_id == 0:
             print("RESULT " + json.dumps(result), flush=True)
-        return 0
+        sys.stderr.flush()
+        # Nothing is left to save, and tearing down the runtime of a multi-GPU process (its NCCL communicators,
+        # preallocated memory) can take longer than the run: the driver waits for every worker's exit.
+        os._exit(0)
 
     def csv(text, what, valid=None, cast=str):
         items = [cast(x.strip()) for x in text.split(",") if x.strip()]

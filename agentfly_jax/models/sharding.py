@@ -22,6 +22,12 @@ device keeps 1/tensor of the rows there (Megatron's sequence parallelism, over r
 norms and adds run on that share, a sublayer's input is all-gathered and its output reduce-scattered where
 tensor parallelism otherwise all-reduces, and the gradients take the conjugate collectives (the model's
 `_reshard`).
+
+The rows of the tensor-parallel GEMMs' input (q/k/v and gate/up; o_proj's and down_proj's output gradient) are
+named `act_gemm_batch` (the same fallback), by default the batch's layout: under sequence parallelism that input is
+gathered over `tensor` by a collective of its own before the GEMM. Mapped like the residual, ("data", "fsdp",
+"tensor"), the input is left on the residual's rows and the partitioner gathers it as part of partitioning the
+GEMM, which is where XLA can overlap the two (a windowed einsum, `--xla_gpu_threshold_for_windowed_einsum_mib`).
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_batch", ("data", "fsdp")),
     ("act_attn_batch", ("data", "fsdp", "tensor")),
     ("act_residual_batch", ("data", "fsdp")),  # ("data", "fsdp", "tensor"): sequence parallelism over rows
+    ("act_gemm_batch", ("data", "fsdp")),  # with the above, ("data", "fsdp", "tensor"): gathers inside the GEMMs
     ("act_length", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
@@ -167,6 +174,17 @@ def fully_split(logical: str, size: int) -> bool:
         return True
     wanted = math.prod(mesh.shape[a] for a in _mesh_axes_for(logical, rules) if mesh.shape.get(a, 1) > 1)
     return active_shards(logical, size) == wanted
+
+
+def rows_beyond_batch(logical: str) -> bool:
+    """Whether the active rules split the rows named `logical` over an active mesh axis (size > 1) that
+    `act_batch` does not use: e.g. `act_gemm_batch` over tensor under sequence parallelism."""
+    rules = nn.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return False
+    extra = set(_mesh_axes_for(logical, rules)) - set(_mesh_axes_for("act_batch", rules))
+    return any(mesh.shape.get(a, 1) > 1 for a in extra)
 
 
 def batch_name(preferred: str) -> str:

@@ -4,7 +4,8 @@ Every parameter carries logical axis names (see `models/sharding.py` for the map
   vocab, embed, heads, kv_heads, head_dim, mlp, norm, value_out.
 Activations are constrained with act_batch, act_length, act_embed, act_heads, act_kv_heads, act_mlp, act_vocab,
 by the same rules and divisibility test as the parameters they meet (`sharding.constrain`); attention's rows with
-act_attn_batch where the mesh cannot split its heads (`sharding.fully_split`).
+act_attn_batch where the mesh cannot split its heads (`sharding.fully_split`), the residual stream's with
+act_residual_batch and the tensor-parallel GEMMs' input with act_gemm_batch (sequence parallelism, `_reshard`).
 
 Shapes in comments: B batch, T query length, S key length, H query heads, K kv heads, G = H // K, D head dim,
 E hidden size, V vocab, F intermediate size.
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentfly_jax.models.config import ModelConfig
-from agentfly_jax.models.sharding import active_shards, batch_name, constrain, fully_split
+from agentfly_jax.models.sharding import active_shards, batch_name, constrain, fully_split, rows_beyond_batch
 
 _KERNEL_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -34,6 +35,19 @@ def _constrain(x, names):
     # A no-op unless logical axis rules and a mesh are active (see sharding.axis_rules); then it pins activation
     # layouts, agreeing with the weights', so GSPMD gathers FSDP weights instead of re-sharding activations.
     return constrain(x, names)
+
+
+_IN_USE = {"embed": "act_embed", "mlp": "act_mlp", "heads": "act_heads", "kv_heads": "act_kv_heads"}
+
+
+def _gemm_kernel(kernel, names):
+    """A tensor-parallel GEMM's kernel where the GEMM's input stays on the residual's rows (`act_gemm_batch`
+    beyond the batch's axes): pinned to its layout in use (gathered over fsdp, split over tensor as the
+    activations it meets), so the partitioner splits that GEMM over rows and gathers them, instead of splitting it
+    over the contracting dim and resharding the input there by replicating it. Otherwise the kernel as it is."""
+    if not rows_beyond_batch("act_gemm_batch"):
+        return kernel
+    return _constrain(kernel, tuple(_IN_USE.get(n) for n in names))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -219,6 +233,7 @@ class HeadProjection(nn.Module):
         def per_output_head(w, axis):
             return w if self.repeats == 1 else jnp.repeat(w, self.repeats, axis=axis)
 
+        kernel = _gemm_kernel(kernel, ("embed", self.head_axis, "head_dim"))
         y = jnp.einsum("bte,end->btnd", x.astype(self.dtype), per_output_head(kernel.astype(self.dtype), 1))
         if self.lora_rank:
             y = y + per_output_head(_lora_delta(self, x, ("embed",), (self.head_axis, "head_dim"), shape[1:],
@@ -265,7 +280,7 @@ class Linear(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", _param_init(_KERNEL_INIT, self.names), (x.shape[-1], self.features),
                             self.param_dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+        y = jax.lax.dot_general(x.astype(self.dtype), _gemm_kernel(kernel, self.names).astype(self.dtype),
                                 (((x.ndim - 1,), (0,)), ((), ())))
         if self.lora_rank:
             y = y + _lora_delta(self, x, self.names[:1], self.names[1:], (self.features,), self.lora_rank,
@@ -290,9 +305,9 @@ class Attention(nn.Module):
         # back; the output's partial sums reduced to the residual's rows. Heads that the mesh cannot split (14 on
         # tensor=4) stay whole and the rows split instead: the input is this device's share of the rows (left to
         # the partitioner both ways: a slice, and a gather back), o_proj runs on it, the output is gathered.
-        rows = "act_batch" if fully_split("act_heads", c.num_heads) else batch_name("act_attn_batch")
-        split_heads = rows == "act_batch"
-        share = (rows, "act_length", "act_embed")
+        split_heads = fully_split("act_heads", c.num_heads)
+        rows = "act_batch" if split_heads else batch_name("act_attn_batch")
+        share = (batch_name("act_gemm_batch") if split_heads else rows, "act_length", "act_embed")
         x = _reshard(x, share, _residual() if split_heads else share)
         if mask is not None and not split_heads:  # the mask's rows go with the queries' (cuDNN needs that)
             mask = _constrain(mask, (rows, "act_length", None))
@@ -319,7 +334,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        rows = ("act_batch", "act_length", "act_embed")
+        rows = (batch_name("act_gemm_batch"), "act_length", "act_embed")
         x = _reshard(x, rows, _residual())  # every row of the tensor group into the column-parallel GEMMs
 
         def dense(features, names, name):

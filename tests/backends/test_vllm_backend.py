@@ -6,6 +6,7 @@ One server for the whole session (the `vllm_server` fixture); the kill test runs
 fixture restarts the server for any later user.
 """
 import asyncio
+import urllib.request
 
 import numpy as np
 import pytest
@@ -177,6 +178,22 @@ def test_interrupting_update_goes_on_with_in_flight_sequences_on_new_weights(vll
         assert max_abs_diff(under_a[before:], under_b[before:]) > 0.05  # the two weight sets are far apart
 
 
+async def _until_the_server_runs_a_request(url: str, timeout: float = 30.0):
+    """Polls the server's Prometheus metrics until `vllm:num_requests_running` is positive."""
+    def running() -> float:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("vllm:num_requests_running")]
+        assert values, "the server's /metrics has no vllm:num_requests_running"
+        return sum(values)
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await asyncio.to_thread(running) < 1:
+        assert asyncio.get_running_loop().time() < deadline, f"no request ran on {url} within {timeout} s"
+        await asyncio.sleep(0.02)
+
+
 def test_server_killed_mid_request_retries_then_fails_clearly(vllm_server):
     """SIGKILL to the server while a long request runs: bounded retries, then VLLMServerError naming it, and no
     coroutine left behind. (Last test of the file: the fixture restarts the server if anyone needs it again.)"""
@@ -185,7 +202,9 @@ def test_server_killed_mid_request_retries_then_fails_clearly(vllm_server):
     async def go():
         async with VLLMBackend(url, max_retries=2, retry_backoff=0.2, connect_timeout=2.0) as backend:
             task = asyncio.create_task(backend.generate([1, 2, 3], max_tokens=1000, temperature=1.0, n=8))
-            await asyncio.sleep(1.0)
+            # killed as soon as the server runs it: on an idle machine all 8 x 1000 tokens took about a second,
+            # so a fixed wait of one second sometimes saw the answer arrive first
+            await _until_the_server_runs_a_request(url)
             assert not task.done(), "the request finished before the kill; make it longer"
             vllm_server.kill()
             with pytest.raises(VLLMServerError) as info:

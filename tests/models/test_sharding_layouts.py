@@ -276,36 +276,46 @@ def test_repeated_kv_heads_forward_equals_one_device_with_bias_and_lora(lora_ran
 # Megatron's sequence parallelism over rows: the residual stream's rows split over tensor too
 SEQUENCE_PARALLEL = tuple((n, ("data", "fsdp", "tensor") if n == "act_residual_batch" else a)
                           for n, a in shd.DEFAULT_RULES)
+# ... and the tensor-parallel GEMMs' input left on those rows: the partitioner gathers it within the GEMM
+GEMM_GATHER = tuple((n, ("data", "fsdp", "tensor") if n == "act_gemm_batch" else a) for n, a in SEQUENCE_PARALLEL)
 
 
-@pytest.mark.parametrize("cfg, axes", [(CFG, {"fsdp": 2, "tensor": 2}), (CFG, {"fsdp": 2, "tensor": 4}),
-                                       (UNEVEN, {"tensor": 4})], ids=["fsdp2xtensor2", "fsdp2xtensor4", "uneven"])
-def test_sequence_parallel_residual_compiles_without_rematerialization(capfd, cfg, axes):
+@pytest.mark.parametrize("cfg, axes, rules", [(CFG, {"fsdp": 2, "tensor": 2}, SEQUENCE_PARALLEL),
+                                              (CFG, {"fsdp": 2, "tensor": 4}, SEQUENCE_PARALLEL),
+                                              (UNEVEN, {"tensor": 4}, SEQUENCE_PARALLEL),
+                                              (CFG, {"data": 2, "tensor": 4}, GEMM_GATHER)],
+                         ids=["fsdp2xtensor2", "fsdp2xtensor4", "uneven", "gemm-gather"])
+def test_sequence_parallel_residual_compiles_without_rematerialization(capfd, cfg, axes, rules):
     """With `act_residual_batch` over tensor, each device keeps its share of the residual's rows between sublayers;
     the sublayers' collectives stay within tensor groups and XLA finds no reshard it must replicate for (the plain
-    transpose of the constraints made the fsdp x tensor backward do exactly that)."""
+    transpose of the constraints made the fsdp x tensor backward do exactly that). Also with `act_gemm_batch` over
+    tensor (the gathers left to the GEMMs' partitioning) under tensor parallelism alone: under fsdp x tensor that
+    rule still makes the attention input's gradient replicate (models/sharding.py says so)."""
     capfd.readouterr()
-    hlo, _ = _compile_update(axes, cfg=cfg, rules=SEQUENCE_PARALLEL, rows_per_shard=4)
+    hlo, _ = _compile_update(axes, cfg=cfg, rules=rules, rows_per_shard=4)
     assert REMAT not in capfd.readouterr().err.lower()
     moved = _activation_collectives(hlo, int(np.prod(list(axes.values()))))
     assert moved and not [m for m in moved if m[0] in ("all-to-all", "collective-permute")], moved
     assert all(1 < group <= axes["tensor"] for _, _, group in moved), moved
-    # the final hidden states come out with the residual's layout: rows over fsdp and tensor
+    # the final hidden states come out with the residual's layout: rows over data, fsdp and tensor
     mesh = shd.make_mesh(axes, devices=jax.devices()[:int(np.prod(list(axes.values())))])
     model = CausalLM(ModelConfig(**cfg))
-    params = shd.shard_params(model, init_params(model, jax.random.PRNGKey(0)), mesh, SEQUENCE_PARALLEL)
-    ids = jax.device_put(jnp.ones((4 * mesh.shape["fsdp"], T), jnp.int32), shd.batch_sharding(mesh))
-    with jax.set_mesh(mesh), shd.axis_rules(SEQUENCE_PARALLEL):
+    params = shd.shard_params(model, init_params(model, jax.random.PRNGKey(0)), mesh, rules)
+    ids = jax.device_put(jnp.ones((4 * mesh.shape["data"] * mesh.shape["fsdp"], T), jnp.int32),
+                         shd.batch_sharding(mesh))
+    with jax.set_mesh(mesh), shd.axis_rules(rules):
         hidden = jax.jit(lambda p, i: model.apply({"params": p}, i, method=CausalLM.hidden_states))(params, ids)
-    rows = tuple(a for a in ("fsdp", "tensor") if axes.get(a, 1) > 1)
+    rows = tuple(a for a in ("data", "fsdp", "tensor") if axes.get(a, 1) > 1)
     assert hidden.sharding.is_equivalent_to(NamedSharding(mesh, P(rows if len(rows) > 1 else rows[0])), 3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg, axes", [(CFG, {"fsdp": 2, "tensor": 4}), (UNEVEN, {"fsdp": 2, "tensor": 4})],
-                         ids=["split-heads", "uneven"])
-def test_sequence_parallel_update_equals_one_device(cfg, axes):
-    _assert_sharded_update_equals_one_device(cfg, axes, rules=SEQUENCE_PARALLEL)
+@pytest.mark.parametrize("cfg, axes, rules", [(CFG, {"fsdp": 2, "tensor": 4}, SEQUENCE_PARALLEL),
+                                              (UNEVEN, {"fsdp": 2, "tensor": 4}, SEQUENCE_PARALLEL),
+                                              (CFG, {"data": 2, "tensor": 4}, GEMM_GATHER)],
+                         ids=["split-heads", "uneven", "gemm-gather"])
+def test_sequence_parallel_update_equals_one_device(cfg, axes, rules):
+    _assert_sharded_update_equals_one_device(cfg, axes, rules=rules)
 
 
 def test_rule_overrides_replace_by_name_and_refuse_unknown_axes():

@@ -39,6 +39,11 @@ def test_bench_scaling_short(tmp_path):
         assert r["remat_warnings"] == 0
         assert r["tokens_per_s"] == pytest.approx(r["global_tokens"] / (r["step_ms"] / 1e3), rel=1e-3)
     assert sharded["efficiency"] == pytest.approx(sharded["tokens_per_s"] / (4 * single["tokens_per_s"]), abs=1e-4)
+    for r in (single, sharded):  # where a run's time went: its phases in order, within the driver's wall time
+        phases = r["phases_s"]
+        assert list(phases) == ["devices", "state", "compile", "steps"], phases
+        assert 0 < phases["devices"] <= phases["state"] <= phases["compile"] <= phases["steps"] <= r["wall_s"]
+        assert r["xla_flags"] == ""  # the workers' own device-count flag is not the caller's
     collectives = sharded["collectives"]
     assert collectives["all-gather"] > 0 and collectives["all-reduce"] > 0  # fsdp gathers, tensor all-reduces
     assert collectives["all-to-all"] == 0 and collectives["collective-permute"] == 0
