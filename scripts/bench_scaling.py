@@ -80,6 +80,22 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
 
 
+def collectives_in_loops(hlo_text: str) -> dict[str, int]:
+    """The collectives of the computations that are a while loop's body (the micro-batch loop of gradient
+    accumulation, a logits chunk loop): each runs once per iteration. A gradient all-reduce here, rather than
+    once after the loop, moves the gradients once per micro-batch."""
+    bodies = set(re.findall(r"\swhile\(.*?body=(%?[\w.\-]+)", hlo_text))
+    counts, current = dict.fromkeys(COLLECTIVES, 0), None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = line.split()[0]
+            continue
+        if current in bodies or (current and "%" + current.lstrip("%") in bodies):
+            for op in COLLECTIVES:
+                counts[op] += len(re.findall(rf"\s{op}(?:-start)?\(", line))
+    return counts
+
+
 def parse_rule(text: str) -> tuple[str, str | tuple[str, ...] | None]:
     """`NAME=AXES` (comma-separated mesh axes, or empty for none) -> a logical axis rule, checked by the trainer's
     own `sharding.override_rules` (a known name, mesh axes, none twice)."""
@@ -112,7 +128,8 @@ def _host_batch(args, shape: dict, global_rows: int):
     advantages = rng.normal(size=(n, length)).astype(np.float32) * mask
     old_logprobs = np.full((n, length), -11.0, np.float32) * mask
     batch = pack_step(tokens, mask, old_logprobs, np.full(n, length), rewards=np.zeros(n, np.float32),
-                      group_ids=np.arange(n), minibatch=np.zeros(n, np.int32), num_minibatches=1, row_len=length)
+                      group_ids=np.arange(n), minibatch=np.zeros(n, np.int32), num_minibatches=1, row_len=length,
+                      micro_batches=args.micro_batches)
 
     def packed(per_sequence):  # [N, T] -> the rows' [K, M, R, L] layout
         return np.concatenate([per_sequence.reshape(-1), np.zeros(1, np.float32)])[batch.pack_index]
@@ -206,12 +223,14 @@ def run_worker(args) -> dict:
         compiled = step.lower(state, rows).compile()
     compile_s = time.perf_counter() - t0
     phase("compile")
+    hlo = compiled.as_text()
     result = {"shape": args.shape, "layout": args.layout if devices > 1 else "single", "devices": devices,
               "processes": jax.process_count(), "mesh": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind,
               "dtype": jnp.dtype(dtype).name, "rows_per_device": args.rows_per_device, "seq_len": args.seq_len,
               "global_tokens": global_rows * args.seq_len, "layer_remat": args.layer_remat, "chunk": args.chunk,
               "rules": dict(args.rule or []), "compile_s": round(compile_s, 2),
-              "collectives": count_collectives(compiled.as_text()), "phases_s": phases,
+              "micro_batches": args.micro_batches, "collectives": count_collectives(hlo),
+              "collectives_in_loops": collectives_in_loops(hlo), "phases_s": phases,
               "xla_flags": _callers_flags(os.environ.get("XLA_FLAGS", ""))}
     if args.compile_only:
         return result
@@ -296,6 +315,7 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
     local = devices // processes
     port, started = _free_port(), time.monotonic()
     worker_args = ["--shape", shape, "--layout", layout, "--rows-per-device", str(args.rows_per_device),
+                   "--micro-batches", str(args.micro_batches),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--chunk", str(args.chunk), "--init-timeout", str(args.init_timeout)]
     worker_args += ["--fp32-params"] * args.fp32_params + ["--layer-remat"] * args.layer_remat
@@ -430,6 +450,8 @@ def main(argv=None) -> int:
     p.add_argument("--processes", default="1", help="comma-separated process counts; >1 also runs every layout "
                                                     "as that many processes of N/P devices")
     p.add_argument("--rows-per-device", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation: each step's rows in this many micro-batches (divides the rows)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -485,9 +507,12 @@ def main(argv=None) -> int:
     if min(args.devices) < 1 or min(args.processes) < 1:
         p.error("--devices and --processes must be >= 1")
     if (args.rows_per_device < 1 or args.seq_len < 2 or args.steps < 1 or args.warmup < 0 or args.chunk < 0
-            or args.precompile < 0):
-        p.error("--rows-per-device >= 1, --seq-len >= 2, --steps >= 1, --warmup >= 0, --chunk >= 0 and "
-                "--precompile >= 0")
+            or args.precompile < 0 or args.micro_batches < 1):
+        p.error("--rows-per-device >= 1, --seq-len >= 2, --steps >= 1, --warmup >= 0, --chunk >= 0, "
+                "--precompile >= 0 and --micro-batches >= 1")
+    if args.rows_per_device % args.micro_batches:
+        p.error(f"--micro-batches {args.micro_batches} must divide --rows-per-device {args.rows_per_device}: "
+                f"every device's rows are split evenly into the micro-batches")
     gpus = _gpu_ids() if args.platform in ("auto", "gpu") else []
     platform = "gpu" if gpus else "cpu"
     if args.platform == "gpu" and not gpus:

@@ -82,6 +82,8 @@ def test_bad_arguments_are_refused_in_one_line():
     assert proc.returncode == 2 and "--layouts: ['pipeline'] not understood" in proc.stderr
     proc = _run(["--devices", "two"])
     assert proc.returncode == 2 and "--devices and --processes take comma-separated integers" in proc.stderr
+    proc = _run(["--rows-per-device", "8", "--micro-batches", "3"])
+    assert proc.returncode == 2 and "--micro-batches 3 must divide --rows-per-device 8" in proc.stderr
     proc = _run(["--rule", "act_residual_bach=tensor"])  # the trainer's own rule check, before any worker runs
     assert proc.returncode == 2 and "sharding rule 'act_residual_bach': no such logical name" in proc.stderr
 
@@ -124,3 +126,32 @@ def test_precompiled_runs_load_their_programs_from_the_cache(tmp_path):
     assert sharded["rules"] == {"act_residual_batch": ["data", "fsdp", "tensor"]}
     assert single["precompiled"] is True and sharded["precompiled"] is True  # warnings counted from there
     assert sharded["remat_warnings"] == 0 and np.isfinite(sharded["loss"]) and single["tokens_per_s"] > 0
+
+
+def test_collectives_in_loops_are_those_of_while_bodies():
+    """`collectives_in_loops` counts a collective inside a loop's body (once per iteration when run) and not one
+    outside it; on a program of 2 fake CPU devices."""
+    import importlib.util
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    spec = importlib.util.spec_from_file_location("bench_scaling", os.path.join(ROOT, "scripts", "bench_scaling.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+
+    def program(in_loop: bool):
+        def body(x):
+            if in_loop:
+                return jax.lax.fori_loop(0, 3, lambda i, a: a + jax.lax.psum(a * i, "d"), x)
+            return jax.lax.fori_loop(0, 3, lambda i, a: a * 2.0 + i, x) + jax.lax.psum(x, "d")
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        return jax.jit(f).lower(jnp.ones(8)).compile().as_text()
+
+    inside, outside = program(True), program(False)
+    assert bench.count_collectives(inside)["all-reduce"] >= 1 and bench.collectives_in_loops(inside)["all-reduce"] >= 1
+    assert bench.count_collectives(outside)["all-reduce"] >= 1
+    assert bench.collectives_in_loops(outside) == dict.fromkeys(bench.COLLECTIVES, 0)
