@@ -128,8 +128,9 @@ def _mesh_axes_for(logical: str | None, rules) -> tuple[str, ...]:
 
 
 def spec_for_shape(logical_spec: P, shape: Sequence[int], mesh: Mesh, rules=DEFAULT_RULES) -> P:
-    """Mesh PartitionSpec for one array: maps its logical names, dropping mesh axes that do not divide it."""
-    out, taken = [], set()
+    """Mesh PartitionSpec for one array: maps its logical names, dropping mesh axes that do not divide it and, inside
+    a `shard_map`, the axes it maps by hand (each of its bodies sees one shard along them)."""
+    out, taken = [], set(getattr(mesh, "manual_axes", ()))
     for dim, logical in zip(shape, tuple(logical_spec) + (None,) * (len(shape) - len(logical_spec))):
         axes = [a for a in _mesh_axes_for(logical, rules) if a not in taken and mesh.shape.get(a, 1) > 1]
         kept = []
@@ -172,7 +173,9 @@ def fully_split(logical: str, size: int) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty:
         return True
-    wanted = math.prod(mesh.shape[a] for a in _mesh_axes_for(logical, rules) if mesh.shape.get(a, 1) > 1)
+    manual = set(getattr(mesh, "manual_axes", ()))
+    wanted = math.prod(mesh.shape[a] for a in _mesh_axes_for(logical, rules)
+                       if mesh.shape.get(a, 1) > 1 and a not in manual)
     return active_shards(logical, size) == wanted
 
 
@@ -184,7 +187,7 @@ def rows_beyond_batch(logical: str) -> bool:
     if not rules or mesh.empty:
         return False
     extra = set(_mesh_axes_for(logical, rules)) - set(_mesh_axes_for("act_batch", rules))
-    return any(mesh.shape.get(a, 1) > 1 for a in extra)
+    return any(mesh.shape.get(a, 1) > 1 and a not in getattr(mesh, "manual_axes", ()) for a in extra)
 
 
 def batch_name(preferred: str) -> str:

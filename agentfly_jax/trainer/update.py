@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
@@ -158,7 +159,56 @@ def _finish(acc, total_n):
 def accumulate_gradients(loss_fn: Callable, params, micro_batches, trainable=None):
     """Sum of gradients and combined metrics of `loss_fn(params, mb) -> (loss, metrics)` over the leading
     micro-batch axis of `micro_batches` (a lax.scan: memory of one micro-batch). With `trainable` (a predicate
-    on parameter paths, e.g. LoRA's adapters) the gradients are taken, and returned, for those leaves only."""
+    on parameter paths, e.g. LoRA's adapters) the gradients are taken, and returned, for those leaves only.
+
+    Under a mesh with `data` > 1 and more than one micro-batch, the loop runs in a `shard_map` over `data`: each
+    data-parallel group accumulates the gradients of its own rows and they are summed over `data` once, after the
+    loop. Left to the partitioner, the accumulator has the parameters' layout (replicated over `data`), so every
+    micro-batch's gradients were all-reduced inside the loop: M times the traffic. (The loss is a weighted sum
+    over rows, so the sum of the groups' gradients is the batch's.) With one micro-batch the partitioner's
+    per-layer reductions stay, which can overlap with the rest of the backward."""
+    data = _data_groups(micro_batches)
+    if data == 1:
+        grads, metrics, total_n = _accumulate(loss_fn, params, micro_batches, trainable)
+        return grads, _finish(metrics, total_n)
+
+    def per_group(p, mb):
+        grads, metrics, total_n = _accumulate(loss_fn, p, mb, trainable)
+        reduce = {k: jax.lax.pmax if k.endswith("_max") else jax.lax.pmin if k.endswith("_min") else jax.lax.psum
+                  for k in metrics}
+        return (jax.lax.psum(grads, "data"), {k: reduce[k](v, "data") for k, v in metrics.items()},
+                jax.lax.psum(total_n, "data"))
+
+    rows = jax.tree.map(lambda _: P(None, "data"), micro_batches)
+    # check_vma=False: the gradient of a parameter replicated over `data` is then each group's own (with it, JAX
+    # would sum it over `data` inside every micro-batch, the traffic this avoids)
+    grads, metrics, total_n = jax.shard_map(per_group, in_specs=(P(), rows), out_specs=P(), axis_names={"data"},
+                                            check_vma=False)(params, micro_batches)
+    return grads, _finish(metrics, total_n)
+
+
+def _data_groups(micro_batches: PackedRows) -> int:
+    """Over how many `data` groups `accumulate_gradients` splits its loop: the active mesh's `data` size when it
+    is > 1, there is more than one micro-batch, and every array of the batch is [M, R, ...] with R divisible by it
+    (not a vision batch, whose images are not split by rows); else 1. Also 1 where `fsdp` and `tensor` are both
+    > 1: there XLA's partitioner (jaxlib 0.11.2) fails a CHECK on the loop mapped by hand over `data` (in
+    AllReduceAlongShardingDims), so the partitioner's own reductions in the loop stay."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("data", 1) == 1 or "data" in getattr(mesh, "manual_axes", ()):
+        return 1
+    if mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tensor", 1) > 1:
+        return 1
+    data = mesh.shape["data"]
+    leaves = jax.tree.leaves(micro_batches)
+    m, r = micro_batches.tokens.shape[:2]
+    if (m == 1 or micro_batches.vision is not None or r % data
+            or any(x.ndim < 2 or x.shape[:2] != (m, r) for x in leaves)):
+        return 1
+    return data
+
+
+def _accumulate(loss_fn: Callable, params, micro_batches, trainable=None):
+    """`accumulate_gradients`' loop on the rows it is given -> (gradient sum, metric accumulators, tokens)."""
     if trainable is not None:
         params, frozen = lora.split_trainable(params, trainable)
         full_loss = loss_fn
@@ -177,7 +227,7 @@ def accumulate_gradients(loss_fn: Callable, params, micro_batches, trainable=Non
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, _init_metrics(metric_shapes), jnp.zeros((), jnp.float32))
     (grads, metrics, total_n), _ = jax.lax.scan(body, init, micro_batches)
-    return grads, _finish(metrics, total_n)
+    return grads, metrics, total_n
 
 
 def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation, trainable=None):

@@ -177,13 +177,13 @@ def test_kv_heads_are_repeated_where_the_mesh_splits_query_heads_further():
         assert (kv_heads * repeats) % shards == 0 and (heads // kv_heads) % repeats == 0
 
 
-def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict, rules=shd.DEFAULT_RULES):
+def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict, rules=shd.DEFAULT_RULES, micro_batches=1):
     """Logits and one gradient step (SGD: the update is the gradient itself) under `axes` and `rules` equal one
-    device's."""
+    device's, and so do the step's metrics."""
     model = CausalLM(ModelConfig(**cfg))
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = optax.sgd(1.0)
-    rows = jax.tree.map(jnp.asarray, _policy_rows(8, 1))
+    rows = jax.tree.map(jnp.asarray, _policy_rows(8 * micro_batches, micro_batches))
     alg = get_recipe("grpo").resolve({}, {})
     ids = rows.tokens[0]
     reference_logits = jax.jit(model.apply)({"params": params}, ids)
@@ -205,6 +205,9 @@ def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict, rules=shd.DE
     for got, want in zip(jax.tree.leaves(state.policy.params), jax.tree.leaves(reference.policy.params), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
     assert abs(float(metrics["policy/loss"]) - float(ref_metrics["policy/loss"])) <= 1e-6
+    assert set(metrics) == set(ref_metrics)
+    for key in metrics:
+        np.testing.assert_allclose(float(metrics[key]), float(ref_metrics[key]), rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow
@@ -368,3 +371,64 @@ def test_reshard_constrains_the_value_one_way_and_its_gradient_the_other():
     assert plain.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 3)  # the control
     np.testing.assert_array_equal(np.asarray(value), 2.0 * np.asarray(x))
     np.testing.assert_array_equal(np.asarray(grad), np.full(x.shape, 3.0, np.float32))
+
+
+def _bench_scaling():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("axes", [{"data": 2}, {"data": 4, "fsdp": 2}, {"data": 2, "tensor": 4}],
+                         ids=["data2", "data4xfsdp2", "data2xtensor4"])
+def test_gradient_accumulation_reduces_over_data_once_after_the_loop(capfd, axes):
+    """With 4 micro-batches, each data-parallel group sums its own gradients through the loop and they are
+    all-reduced over `data` once, after it (trainer/update.py `accumulate_gradients`): left to the partitioner,
+    the accumulator took the parameters' layout and every micro-batch's gradients were all-reduced in the loop
+    (on this compiler, 4 all-reduces per iteration under data=2)."""
+    bench = _bench_scaling()
+    capfd.readouterr()
+    hlo, _ = _compile_update(axes, micro_batches=4)
+    assert REMAT not in capfd.readouterr().err.lower()
+    in_loops = bench.collectives_in_loops(hlo)
+    # every collective of the loop stays within one data group: fsdp's and tensor's own
+    devices = int(np.prod(list(axes.values())))
+    within = devices // axes["data"]  # data is the mesh's major axis: group k holds devices k*within ...
+    bodies = set(re.findall(r"\swhile\(.*?body=(%?[\w.\-]+)", hlo))
+    current, crossing = None, []
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = line.split()[0]
+            continue
+        m = _COLLECTIVE.match(line)
+        if m and current in bodies and m.group(2) != "collective-permute":
+            if any(len({d // within for d in g}) > 1 for g in _replica_groups(m.group(3), devices)):
+                crossing.append(line.strip()[:200])
+    assert not crossing, crossing
+    assert bench.count_collectives(hlo)["all-reduce"] > in_loops["all-reduce"]  # the reduction after the loop
+
+
+def _replica_groups(attrs: str, devices: int) -> list[list[int]]:
+    """The device ids of each replica group of a collective, from XLA's explicit and iota spellings."""
+    m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", attrs)  # {{0,1},{2,3}}
+    if m:
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)  # iota
+    if m:
+        ids = np.arange(devices).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    if "replica_groups={}" in attrs:
+        return [list(range(devices))]
+    raise AssertionError(f"replica groups not understood: {attrs[:200]}")
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_per_data_group_equals_one_device():
+    _assert_sharded_update_equals_one_device(CFG, {"data": 2, "tensor": 4}, micro_batches=2)
