@@ -37,15 +37,18 @@ def _constrain(x, names):
     return constrain(x, names)
 
 
-_IN_USE = {"embed": "act_embed", "mlp": "act_mlp", "heads": "act_heads", "kv_heads": "act_kv_heads"}
+_IN_USE = {"embed": "act_embed", "mlp": "act_mlp", "heads": "act_heads", "kv_heads": "act_kv_heads",
+           "vocab": "act_vocab"}
 
 
 def _gemm_kernel(kernel, names):
-    """A tensor-parallel GEMM's kernel where the GEMM's input stays on the residual's rows (`act_gemm_batch`
+    """A tensor-parallel GEMM's kernel under sequence parallelism (`act_residual_batch` or `act_gemm_batch`
     beyond the batch's axes): pinned to its layout in use (gathered over fsdp, split over tensor as the
-    activations it meets), so the partitioner splits that GEMM over rows and gathers them, instead of splitting it
-    over the contracting dim and resharding the input there by replicating it. Otherwise the kernel as it is."""
-    if not rows_beyond_batch("act_gemm_batch"):
+    activations it meets). Otherwise the partitioner chose to keep the kernel split over fsdp and gather the
+    activations over fsdp instead, all of the batch's rows (fsdp 2 x tensor 2: the MLP's hidden states and the
+    attention output of both fsdp shards on every device), or, with the GEMM's input on the residual's rows, to
+    split the GEMM over its contracting dim and replicate the input. Otherwise the kernel as it is."""
+    if not (rows_beyond_batch("act_residual_batch") or rows_beyond_batch("act_gemm_batch")):
         return kernel
     return _constrain(kernel, tuple(_IN_USE.get(n) for n in names))
 
@@ -258,7 +261,8 @@ class OutProjection(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", _param_init(_KERNEL_INIT, ("heads", "head_dim", "embed")),
                             (*x.shape[-2:], self.features), self.param_dtype)
-        y = jnp.einsum("btnd,nde->bte", x.astype(self.dtype), kernel.astype(self.dtype))
+        y = jnp.einsum("btnd,nde->bte", x.astype(self.dtype),
+                       _gemm_kernel(kernel, ("heads", "head_dim", "embed")).astype(self.dtype))
         if self.lora_rank:
             y = y + _lora_delta(self, x, ("heads", "head_dim"), ("embed",), (self.features,), self.lora_rank,
                                 self.lora_scale)
@@ -405,7 +409,11 @@ class Decoder(nn.Module):
         return self.norm(x)
 
     def attend(self, hidden):
-        return self.embed_tokens.attend(hidden)
+        """Logits against the (tied) embedding table, as nn.Embed.attend computes them; the table pinned to its
+        layout in use under sequence parallelism (`_gemm_kernel`)."""
+        table = _gemm_kernel(self.embed_tokens.embedding, ("vocab", "embed"))
+        dtype = self.config.dtype
+        return jnp.dot(hidden.astype(dtype), table.astype(dtype).T)
 
 
 class CausalLM(nn.Module):
@@ -421,8 +429,7 @@ class CausalLM(nn.Module):
         c = self.config
         self.model = Decoder(c)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-                                    kernel_init=_param_init(_KERNEL_INIT, ("embed", "vocab")))
+            self.lm_head = Linear(c.vocab_size, ("embed", "vocab"), c.dtype, c.param_dtype)  # nn.Dense's params
 
     def hidden_states(self, input_ids, positions=None, segment_ids=None):
         return self.model(input_ids, positions, segment_ids)

@@ -37,26 +37,39 @@ _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) (all-gather|all-reduce|red
                          r"collective-permute)(?:-start)?\((.*)$")
 
 
-def _group_size(attrs: str, devices: int) -> int:
-    """Devices per replica group of a collective, from XLA's three spellings of replica_groups."""
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)  # {{0,1},{2,3}}
+def _replica_groups(attrs: str, devices: int) -> list[list[int]]:
+    """The partitions (positions in the mesh's device order) of each replica group of a collective, from XLA's
+    spellings of replica_groups: explicit, iota and mesh."""
+    m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", attrs)  # {{0,1},{2,3}}
     if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)  # [groups,size]<=[...]
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)  # iota
     if m:
-        return int(m.group(2))
+        ids = np.arange(devices).reshape([int(d) for d in m.group(3).split(",")])
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
     m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*(?:\{([^}]*)\})?", attrs)  # mesh['axis_0'=2,...] {'axis_0'}
     if m:
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        axes = re.findall(r"'(\w+)'", m.group(2)) if m.group(2) else list(sizes)
-        return int(np.prod([int(sizes[a]) for a in axes]))
+        sizes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
+        names = [a for a, _ in sizes]
+        grouped = re.findall(r"'(\w+)'", m.group(2)) if m.group(2) else names
+        ids = np.arange(devices).reshape([n for _, n in sizes])
+        order = [i for i, a in enumerate(names) if a not in grouped] + [names.index(a) for a in grouped]
+        return ids.transpose(order).reshape(-1, int(np.prod([n for a, n in sizes if a in grouped]))).tolist()
     if "replica_groups={}" in attrs:
-        return devices
+        return [list(range(devices))]
     raise AssertionError(f"replica groups not understood: {attrs[:200]}")
 
 
-def _activation_collectives(hlo: str, devices: int) -> list[tuple[str, list[tuple[int, ...]], int]]:
-    """(op, operand/result dims, devices per group) of every collective whose shapes hold T, T - 1 or C."""
+def _within_tensor(groups: list[list[int]], axes: dict) -> bool:
+    """Whether every group holds devices of one tensor group only (the same data and fsdp coordinates)."""
+    shape = tuple(axes.get(a, 1) for a in ("data", "fsdp", "tensor"))
+    return all(len({np.unravel_index(p, shape)[:2] for p in g}) == 1 for g in groups)
+
+
+def _activation_collectives(hlo: str, devices: int) -> list[tuple[str, list[tuple[int, ...]], list[list[int]]]]:
+    """(op, operand/result dims, replica groups) of every collective whose shapes hold T, T - 1 or C."""
     found = []
     for line in hlo.splitlines():
         m = _COLLECTIVE.match(line)
@@ -66,9 +79,9 @@ def _activation_collectives(hlo: str, devices: int) -> list[tuple[str, list[tupl
         dims = [tuple(int(d) for d in s.split(",") if d) for s in re.findall(r"\[([0-9,]*)\]", shape)]
         dims = [d for d in dims if {T, T - 1, C} & set(d)]
         if op == "collective-permute":
-            found.append((op, dims, 0))  # device pairs, no groups
+            found.append((op, dims, []))  # device pairs, no groups
         elif dims or op == "all-to-all":
-            found.append((op, dims, _group_size(attrs, devices)))
+            found.append((op, dims, _replica_groups(attrs, devices)))
     return found
 
 
@@ -142,9 +155,10 @@ def test_update_under_fsdp_x_tensor_moves_no_activations_but_tensor_all_reduces(
     assert REMAT not in capfd.readouterr().err.lower()
     moved = _activation_collectives(hlo, int(np.prod(list(axes.values()))))
     assert moved, "expected tensor parallelism's all-reduces of activations"
-    for op, dims, group in moved:
+    for op, dims, groups in moved:
         assert op == "all-reduce", (op, dims)  # no all-gather/all-to-all/permute of tokens or activations
-        assert 1 < group <= axes["tensor"] and axes["tensor"] % group == 0, (op, dims, group)  # within tensor
+        size = len(groups[0])
+        assert 1 < size <= axes["tensor"] and axes["tensor"] % size == 0, (op, dims, groups)  # within tensor
         assert all(d[0] == local_rows for d in dims if len(d) >= 2 and d[1] in (T, T - 1)), dims  # own rows
     if kw.get("chunk"):
         assert any(C in d for _, dims, _ in moved for d in dims)  # the chunked logits really ran
@@ -247,8 +261,9 @@ def test_heads_the_mesh_cannot_split_attend_over_a_share_of_the_rows(capfd):
     # attention is the only part that changes: its flops (scores, softmax, values; q/k/v/o projections) shrink
     assert flops["rows"] < 0.9 * flops["replicated"], flops
     moved = _activation_collectives(hlo["rows"], 8)
-    gathers = [(op, dims, group) for op, dims, group in moved if op == "all-gather"]
-    assert gathers and all(group == 4 for _, _, group in gathers), gathers  # within tensor only
+    gathers = [(op, dims, groups) for op, dims, groups in moved if op == "all-gather"]
+    assert gathers and all(len(g[0]) == 4 and _within_tensor(g, {"fsdp": 2, "tensor": 4}) for _, _, g in gathers), \
+        gathers  # within tensor only
     assert not [m for m in moved if m[0] in ("all-to-all", "collective-permute")], moved
 
 
@@ -299,7 +314,11 @@ def test_sequence_parallel_residual_compiles_without_rematerialization(capfd, cf
     assert REMAT not in capfd.readouterr().err.lower()
     moved = _activation_collectives(hlo, int(np.prod(list(axes.values()))))
     assert moved and not [m for m in moved if m[0] in ("all-to-all", "collective-permute")], moved
-    assert all(1 < group <= axes["tensor"] for _, _, group in moved), moved
+    assert all(1 < len(groups[0]) <= axes["tensor"] for _, _, groups in moved), moved
+    # the gathers within tensor groups: under fsdp x tensor, gathering the MLP's hidden states and the attention
+    # output over fsdp (all of the batch's rows on every device) passed a check by group size alone, both being 2
+    gathers = [groups for op, _, groups in moved if op == "all-gather"]
+    assert gathers and all(_within_tensor(groups, axes) for groups in gathers), gathers
     # the final hidden states come out with the residual's layout: rows over data, fsdp and tensor
     mesh = shd.make_mesh(axes, devices=jax.devices()[:int(np.prod(list(axes.values())))])
     model = CausalLM(ModelConfig(**cfg))
@@ -412,21 +431,6 @@ def test_gradient_accumulation_reduces_over_data_once_after_the_loop(capfd, axes
     assert not crossing, crossing
     assert bench.count_collectives(hlo)["all-reduce"] > in_loops["all-reduce"]  # the reduction after the loop
 
-
-def _replica_groups(attrs: str, devices: int) -> list[list[int]]:
-    """The device ids of each replica group of a collective, from XLA's explicit and iota spellings."""
-    m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", attrs)  # {{0,1},{2,3}}
-    if m:
-        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)  # iota
-    if m:
-        ids = np.arange(devices).reshape([int(d) for d in m.group(3).split(",")])
-        if m.group(4):
-            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
-    if "replica_groups={}" in attrs:
-        return [list(range(devices))]
-    raise AssertionError(f"replica groups not understood: {attrs[:200]}")
 
 
 @pytest.mark.slow
