@@ -301,14 +301,14 @@ GEMM_GATHER = tuple((n, ("data", "fsdp", "tensor") if n == "act_gemm_batch" else
 @pytest.mark.parametrize("cfg, axes, rules", [(CFG, {"fsdp": 2, "tensor": 2}, SEQUENCE_PARALLEL),
                                               (CFG, {"fsdp": 2, "tensor": 4}, SEQUENCE_PARALLEL),
                                               (UNEVEN, {"tensor": 4}, SEQUENCE_PARALLEL),
-                                              (CFG, {"data": 2, "tensor": 4}, GEMM_GATHER)],
+                                              (CFG, {"fsdp": 2, "tensor": 2}, GEMM_GATHER)],
                          ids=["fsdp2xtensor2", "fsdp2xtensor4", "uneven", "gemm-gather"])
 def test_sequence_parallel_residual_compiles_without_rematerialization(capfd, cfg, axes, rules):
     """With `act_residual_batch` over tensor, each device keeps its share of the residual's rows between sublayers;
     the sublayers' collectives stay within tensor groups and XLA finds no reshard it must replicate for (the plain
     transpose of the constraints made the fsdp x tensor backward do exactly that). Also with `act_gemm_batch` over
-    tensor (the gathers left to the GEMMs' partitioning) under tensor parallelism alone: under fsdp x tensor that
-    rule still makes the attention input's gradient replicate (models/sharding.py says so)."""
+    tensor (the gathers left to the GEMMs' partitioning), which replicated the attention input's gradient under
+    fsdp x tensor until the output projections' kernels were pinned too (`_gemm_kernel`)."""
     capfd.readouterr()
     hlo, _ = _compile_update(axes, cfg=cfg, rules=rules, rows_per_shard=4)
     assert REMAT not in capfd.readouterr().err.lower()
