@@ -11,7 +11,7 @@ tokens of one device (each layout splits the same global batch its own way). A l
 is its tokens/s over N x the one-device tokens/s of the same invocation. The step is the trainer's own
 (`make_train_step`: PPO policy loss with fp32 log-probabilities, AdamW with global-norm clipping, the state
 donated and kept in its sharding), traced under the trainer's mesh and logical axis rules
-(`models/sharding.py`), on random weights and tokens; bf16 compute on a GPU, fp32 on the CPU.
+(`models/sharding.py`), on patterned weights (`new_state`) and random tokens; bf16 compute on a GPU, fp32 on the CPU.
 
 Layouts on N devices: fsdp (fsdp=N), data (data=N), tensor (tensor=N), fsdp_tensor (fsdp=N/2 x tensor=2, from
 4 devices on). Each (shape, layout, device count) runs in worker processes of its own that see exactly those
@@ -42,6 +42,7 @@ import threading
 import time
 
 _STARTED = time.monotonic()  # a worker's phases are timed from its start (`phases_s`)
+
 # Runnable as `python scripts/bench_scaling.py` from a checkout without installing the package.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
