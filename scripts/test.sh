@@ -2,9 +2,11 @@
 # Sets everything up (scripts/setup.sh, idempotent) and runs the whole test suite. Extra args go to pytest.
 #
 # Two phases, so that the suite fits CI's time on two cores: the tests not marked `slow` (short, CPU-bound, about
-# 1,650) on two pytest-xdist workers, a file per worker; then the `slow` ones (training runs, several processes,
-# vLLM servers, timing bounds) one after another, with the machine to themselves. Both phases must pass. A phase
-# that selects no test (extra args naming only slow or only quick tests) is fine; both selecting none is a failure.
+# 1,650) on two pytest-xdist workers, a file per worker, in collection order (tests/conftest.py puts the longest
+# files first; xdist's own reordering, by test count, started them last); then the `slow` ones (training runs,
+# several processes, vLLM servers, timing bounds) one after another, with the machine to themselves. Both phases
+# must pass. A phase that selects no test (extra args naming only slow or only quick tests) is fine; both selecting
+# none is a failure.
 # With a marker expression of the caller's (-m), one run of exactly that selection.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +31,7 @@ for arg in "$@"; do
   esac
 done
 set +e
-.venv/bin/python -m pytest -m "not slow" -n "$workers" --dist loadfile "$@"
+.venv/bin/python -m pytest -m "not slow" -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 quick=$?
 .venv/bin/python -m pytest -m slow "$@"
 slow=$?

@@ -41,8 +41,9 @@ def search_subset_cache(tmp_path_factory):
 
 
 # The quick phase's longest files (several processes each, minutes on 2 cores), measured in a full run: handed to
-# the pytest-xdist workers first (scripts/test.sh: --dist loadfile gives out whole files in collection order), so
-# that no worker starts one of them while the other has nothing left (80 s of one idle worker at the end before).
+# the pytest-xdist workers first (scripts/test.sh: --dist loadfile --no-loadscope-reorder gives out whole files in
+# collection order), so that no worker starts one of them while the other has little left (two full runs ended
+# with one worker idle for 80 and 110 s while the other ran test_process_faults.py).
 LONGEST_FIRST = ("tests/trainer/test_multiprocess.py", "tests/trainer/test_process_faults.py",
                  "tests/trainer/test_update.py", "tests/trainer/test_async.py")
 
