@@ -432,7 +432,6 @@ def test_gradient_accumulation_reduces_over_data_once_after_the_loop(capfd, axes
     assert bench.count_collectives(hlo)["all-reduce"] > in_loops["all-reduce"]  # the reduction after the loop
 
 
-
 @pytest.mark.slow
 def test_gradient_accumulation_per_data_group_equals_one_device():
     _assert_sharded_update_equals_one_device(CFG, {"data": 2, "tensor": 4}, micro_batches=2)
