@@ -81,20 +81,22 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo_text)) for op in COLLECTIVES}
 
 
+def loop_body_lines(hlo_text: str):
+    """The instruction lines of the computations that are a while loop's body (each runs once per iteration)."""
+    bodies = {name.lstrip("%") for name in re.findall(r"\swhile\(.*?body=(%?[\w.\-]+)", hlo_text)}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
+            current = line.split()[0].lstrip("%")
+        elif current in bodies:
+            yield line
+
+
 def collectives_in_loops(hlo_text: str) -> dict[str, int]:
     """The collectives of the computations that are a while loop's body (the micro-batch loop of gradient
     accumulation, a logits chunk loop): each runs once per iteration. A gradient all-reduce here, rather than
     once after the loop, moves the gradients once per micro-batch."""
-    bodies = set(re.findall(r"\swhile\(.*?body=(%?[\w.\-]+)", hlo_text))
-    counts, current = dict.fromkeys(COLLECTIVES, 0), None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            current = line.split()[0]
-            continue
-        if current in bodies or (current and "%" + current.lstrip("%") in bodies):
-            for op in COLLECTIVES:
-                counts[op] += len(re.findall(rf"\s{op}(?:-start)?\(", line))
-    return counts
+    return count_collectives("\n".join(loop_body_lines(hlo_text)))
 
 
 def parse_rule(text: str) -> tuple[str, str | tuple[str, ...] | None]:

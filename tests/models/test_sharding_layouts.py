@@ -418,14 +418,10 @@ def test_gradient_accumulation_reduces_over_data_once_after_the_loop(capfd, axes
     # every collective of the loop stays within one data group: fsdp's and tensor's own
     devices = int(np.prod(list(axes.values())))
     within = devices // axes["data"]  # data is the mesh's major axis: group k holds devices k*within ...
-    bodies = set(re.findall(r"\swhile\(.*?body=(%?[\w.\-]+)", hlo))
-    current, crossing = None, []
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            current = line.split()[0]
-            continue
+    crossing = []
+    for line in bench.loop_body_lines(hlo):
         m = _COLLECTIVE.match(line)
-        if m and current in bodies and m.group(2) != "collective-permute":
+        if m and m.group(2) != "collective-permute":
             if any(len({d // within for d in g}) > 1 for g in _replica_groups(m.group(3), devices)):
                 crossing.append(line.strip()[:200])
     assert not crossing, crossing
