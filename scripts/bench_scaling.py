@@ -249,6 +249,9 @@ def run_worker(args) -> dict:
     if not np.isfinite(loss):
         raise RuntimeError(f"the update step's loss is {loss}")
     phase("steps")
+    if args.profile:
+        result["timeline"] = _profile_steps(compiled, state, rows, args.profile)
+        phase("profile")
     median = statistics.median(times)
     stats = jax.local_devices()[0].memory_stats() or {}
     result.update(step_ms=round(1e3 * median, 3), step_ms_min=round(1e3 * min(times), 3),
@@ -256,6 +259,25 @@ def run_worker(args) -> dict:
                   peak_gib=round(stats["peak_bytes_in_use"] / 2**30, 2) if "peak_bytes_in_use" in stats else None,
                   loss=loss)
     return result
+
+
+def _profile_steps(compiled, state, rows, steps: int) -> dict:
+    """`steps` more update steps under `jax.profiler`, read back into a per-device breakdown of the step's time
+    (scripts/trace_timeline.py: computation, collectives hidden behind it, collectives exposed, idle)."""
+    import jax
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_timeline import summarise_trace
+
+    trace_dir = tempfile.mkdtemp(prefix="bench-scaling-trace-")
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                state, metrics = compiled(state, rows)
+            jax.block_until_ready(metrics["policy/loss"])
+        return summarise_trace(trace_dir, steps)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 # ============================================================================================== the driver
@@ -320,7 +342,8 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
     worker_args = ["--shape", shape, "--layout", layout, "--rows-per-device", str(args.rows_per_device),
                    "--micro-batches", str(args.micro_batches),
                    "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--chunk", str(args.chunk), "--init-timeout", str(args.init_timeout)]
+                   "--chunk", str(args.chunk), "--init-timeout", str(args.init_timeout),
+                   "--profile", str(args.profile)]
     worker_args += ["--fp32-params"] * args.fp32_params + ["--layer-remat"] * args.layer_remat
     worker_args += ["--compile-only"] * args.compile_only
     for name, axes in args.rule or []:
@@ -465,6 +488,9 @@ def main(argv=None) -> int:
                    help="override one logical axis rule of the trainer's defaults (repeatable), e.g. "
                         "act_residual_batch=data,fsdp; an empty AXES replicates")
     p.add_argument("--fp32-params", action="store_true", help="fp32 master params, bf16 compute (GPU)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, trace N more steps with jax.profiler; each record's `timeline` splits a "
+                   "device's step into computation, hidden and exposed collectives and idle time")
     p.add_argument("--compile-only", action="store_true",
                    help="lower and compile on abstract inputs (nothing allocated): warnings and collectives only")
     p.add_argument("--platform", choices=["auto", "gpu", "cpu"], default="auto",
@@ -510,9 +536,9 @@ def main(argv=None) -> int:
     if min(args.devices) < 1 or min(args.processes) < 1:
         p.error("--devices and --processes must be >= 1")
     if (args.rows_per_device < 1 or args.seq_len < 2 or args.steps < 1 or args.warmup < 0 or args.chunk < 0
-            or args.precompile < 0 or args.micro_batches < 1):
+            or args.precompile < 0 or args.micro_batches < 1 or args.profile < 0):
         p.error("--rows-per-device >= 1, --seq-len >= 2, --steps >= 1, --warmup >= 0, --chunk >= 0, "
-                "--precompile >= 0 and --micro-batches >= 1")
+                "--precompile >= 0, --micro-batches >= 1 and --profile >= 0")
     if args.rows_per_device % args.micro_batches:
         p.error(f"--micro-batches {args.micro_batches} must divide --rows-per-device {args.rows_per_device}: "
                 f"every device's rows are split evenly into the micro-batches")

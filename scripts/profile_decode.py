@@ -23,6 +23,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trace_timeline
 
 from agentfly_jax.models.shapes import SHAPES  # noqa: E402
 
@@ -81,32 +82,15 @@ def kind_of(name: str, scopes: dict[str, str] | None = None) -> str:
 def device_events(trace_dir: str) -> list[tuple[str, float]]:
     """(op name, duration ms) of every device op in the trace under `trace_dir` (GPU planes; the host's XLA ops
     when there is no GPU)."""
-    from jax.profiler import ProfileData
+    from trace_timeline import device_timelines
 
-    paths = [os.path.join(root, f) for root, _, files in os.walk(trace_dir) for f in files
-             if f.endswith(".xplane.pb")]
-    if not paths:
-        raise RuntimeError(f"no .xplane.pb under {trace_dir}: the profiler wrote nothing")
-    data = ProfileData.from_file(max(paths, key=os.path.getmtime))
-    gpu, host = [], []
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                # one line per stream: the ops themselves ("XLA Ops" repeats them per module/step: skip those)
-                if "Stream" not in line.name:
-                    continue
-                gpu.extend((ev.name, ev.duration_ns / 1e6) for ev in line.events)
-        elif plane.name.startswith("/host:CPU"):
-            for line in plane.lines:
-                if "XLA" in line.name or "TFRT" in line.name or "tf_XLA" in line.name:
-                    host.extend((ev.name, ev.duration_ns / 1e6) for ev in line.events)
-    return gpu or host
+    return [(name, (end - start) / 1e6) for events in device_timelines(trace_dir).values()
+            for name, start, end in events]
 
 
 def summarise(events, steps: int, top: int, scopes: dict[str, str] | None = None) -> dict:
     by_op = collections.Counter()
     counts = collections.Counter()
-    events = [(name, ms) for name, ms in events if not name.startswith("ThunkExecutor")]  # CPU wrappers
     total = sum(ms for _, ms in events) or float("nan")
     for name, ms in events:
         by_op[name] += ms

@@ -27,7 +27,7 @@ def _records(path):
 
 def test_bench_scaling_short(tmp_path):
     out = tmp_path / "scaling.jsonl"
-    proc = _run([*SHORT, "--devices", "1,4", "--layouts", "fsdp_tensor", "--out", str(out)])
+    proc = _run([*SHORT, "--devices", "1,4", "--layouts", "fsdp_tensor", "--profile", "1", "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     single, sharded = _records(out)
     assert (single["layout"], single["devices"], single["speedup"], single["efficiency"]) == ("single", 1, 1.0, 1.0)
@@ -41,13 +41,19 @@ def test_bench_scaling_short(tmp_path):
     assert sharded["efficiency"] == pytest.approx(sharded["tokens_per_s"] / (4 * single["tokens_per_s"]), abs=1e-4)
     for r in (single, sharded):  # where a run's time went: its phases in order, within the driver's wall time
         phases = r["phases_s"]
-        assert list(phases) == ["devices", "state", "compile", "steps"], phases
-        assert 0 < phases["devices"] <= phases["state"] <= phases["compile"] <= phases["steps"] <= r["wall_s"]
+        assert list(phases) == ["devices", "state", "compile", "steps", "profile"], phases
+        assert 0 < phases["devices"] <= phases["state"] <= phases["compile"] <= phases["steps"] <= phases[
+            "profile"] <= r["wall_s"]
         assert r["xla_flags"] == ""  # the workers' own device-count flag is not the caller's
     collectives = sharded["collectives"]
     assert collectives["all-gather"] > 0 and collectives["all-reduce"] > 0  # fsdp gathers, tensor all-reduces
     assert collectives["all-to-all"] == 0 and collectives["collective-permute"] == 0
     assert single["collectives"] == dict.fromkeys(collectives, 0)
+    for r in (single, sharded):  # --profile: the traced step split into computation, collectives and idle time
+        t = r["timeline"]["mean"]
+        assert t["compute_ms"] > 0 and t["span_ms"] >= t["compute_ms"] and t["idle_ms"] >= 0
+        assert 0 <= t["exposed_collective_ms"] <= t["collective_ms"]
+    assert single["timeline"]["mean"]["collective_ms"] == 0 and sharded["timeline"]["mean"]["collective_ms"] > 0
     assert "SUMMARY weak scaling, 1 x 16 tokens per device, cpu" in proc.stdout
     assert "| tiny | fsdp_tensor | 4 | 1 |" in proc.stdout
 
@@ -155,3 +161,34 @@ def test_collectives_in_loops_are_those_of_while_bodies():
     assert bench.count_collectives(inside)["all-reduce"] >= 1 and bench.collectives_in_loops(inside)["all-reduce"] >= 1
     assert bench.count_collectives(outside)["all-reduce"] >= 1
     assert bench.collectives_in_loops(outside) == dict.fromkeys(bench.COLLECTIVES, 0)
+
+
+def test_trace_timeline_breakdown_against_a_per_nanosecond_count():
+    """trace_timeline.breakdown's interval arithmetic (computation and collectives merged separately, the
+    collective time no computation covers, the time nothing runs) equals counting every nanosecond of the span."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trace_timeline", os.path.join(ROOT, "scripts", "trace_timeline.py"))
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    rng = np.random.default_rng(0)
+    names = ["fusion.3", "gemm_7", "all-reduce.12", "ncclDevKernel_AllGather_RING_LL", "reduce-scatter.1", "copy.2"]
+    for _ in range(20):
+        events = []
+        for _ in range(rng.integers(1, 30)):
+            start = int(rng.integers(0, 5000))  # in microseconds: the breakdown's figures are ms to 3 decimals
+            events.append((str(rng.choice(names)), 1000 * start, 1000 * (start + int(rng.integers(1, 800)))))
+        steps = int(rng.integers(1, 4))
+        got = timeline.breakdown(events, steps)
+        lo, hi = min(s for _, s, _ in events) // 1000, max(e for _, _, e in events) // 1000
+        comm, work = np.zeros(hi - lo, bool), np.zeros(hi - lo, bool)  # one entry per microsecond
+        for name, s, e in events:
+            (comm if timeline.COLLECTIVE.search(name.lower()) else work)[s // 1000 - lo:e // 1000 - lo] = True
+        want = {"span_ms": hi - lo, "compute_ms": work.sum(), "collective_ms": comm.sum(),
+                "exposed_collective_ms": (comm & ~work).sum(), "idle_ms": (~comm & ~work).sum()}
+        for key, us in want.items():
+            assert got[key] == round(int(us) * 1000 / 1e6 / steps, 3), (key, events)  # ns, as the script rounds
+        exposed = sum(row["ms"] for row in got["top_exposed"])
+        assert exposed >= got["exposed_collective_ms"] - 1e-3 * len(got["top_exposed"]) or len(got["top_exposed"]) == 8
+    with pytest.raises(ValueError, match="no device events"):
+        timeline.breakdown([], 1)

@@ -1,0 +1,139 @@
+"""Where a device's time goes in a `jax.profiler` trace: compute, collectives hidden behind compute, collectives
+exposed (nothing else running), and idle gaps.
+
+    python scripts/trace_timeline.py TRACE_DIR --steps 3       # one JSON line per device of the newest trace
+
+A multi-device step is slower than one device's for three reasons the durations alone cannot tell apart: its
+collectives run while no computation does (exposed), its computation itself grew (resharding copies, slower
+kernels), or the device waits (for the host, for another device). This reads every op of every stream of each
+device with its start and end, merges the intervals of computation and of collectives separately, and reports
+per step: the span (first op's start to last op's end, divided by the steps), computation busy time, collective
+busy time, the collective time no computation overlaps, and the time nothing ran. `bench_scaling.py --profile N`
+runs it on N update steps of every layout, so the multi-device rows compare directly with the one-device row.
+
+On a CPU (fake devices) the host's XLA op events stand in for device streams: they carry no stream per device,
+so the CPU breakdown is one timeline of the whole host, useful only to check that the tool runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+# NCCL kernels and XLA's own names for collectives (GPU kernels are named after their HLO instruction, "." -> "_")
+COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective[-_]?permute|"
+                        r"all[-_]?to[-_]?all|sendrecv|send[-_]recv")
+# events that are not work: the CPU runtime's wrappers around the ops they run
+WRAPPER = re.compile(r"^ThunkExecutor|^ExecuteHelper|^PjRt|^Execute$")
+
+
+def device_timelines(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
+    """{device plane name: [(op name, start ns, end ns), ...]} from the newest `.xplane.pb` under `trace_dir`:
+    every op on every stream line of each GPU; on a CPU, the host's XLA op lines as one 'device'."""
+    from jax.profiler import ProfileData
+
+    paths = [os.path.join(root, f) for root, _, files in os.walk(trace_dir) for f in files
+             if f.endswith(".xplane.pb")]
+    if not paths:
+        raise RuntimeError(f"no .xplane.pb under {trace_dir}: the profiler wrote nothing")
+    data = ProfileData.from_file(max(paths, key=os.path.getmtime))
+    gpus, host = {}, []
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            events = gpus.setdefault(plane.name, [])
+            for line in plane.lines:
+                # one line per stream holds the kernels; "XLA Ops" / "XLA Modules" repeat them: skip those
+                if "Stream" in line.name:
+                    events.extend((ev.name, int(ev.start_ns), int(ev.end_ns)) for ev in line.events)
+        elif plane.name.startswith("/host:CPU"):
+            for line in plane.lines:
+                if "XLA" in line.name or "TFRT" in line.name or "tf_XLA" in line.name:
+                    host.extend((ev.name, int(ev.start_ns), int(ev.end_ns)) for ev in line.events
+                                if not WRAPPER.search(ev.name))
+    gpus = {name: sorted(events, key=lambda e: e[1]) for name, events in gpus.items() if events}
+    return gpus or ({"/host:CPU": sorted(host, key=lambda e: e[1])} if host else {})
+
+
+def _merge(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _length(merged) -> int:
+    return sum(end - start for start, end in merged)
+
+
+def _minus(a, b) -> int:
+    """Length of the merged intervals `a` not covered by the merged intervals `b`."""
+    out, j = 0, 0
+    for start, end in a:
+        cursor = start
+        while j < len(b) and b[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out += b[k][0] - cursor
+            cursor = max(cursor, b[k][1])
+            k += 1
+        out += max(0, end - cursor)
+    return out
+
+
+def breakdown(events: list[tuple[str, int, int]], steps: int, top: int = 8) -> dict:
+    """Per-step milliseconds of one device's timeline (see the module's docstring), and the collectives with the
+    most exposed time."""
+    if not events:
+        raise ValueError("no device events in the trace")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    comm = [(s, e) for name, s, e in events if COLLECTIVE.search(name.lower())]
+    work = [(s, e) for name, s, e in events if not COLLECTIVE.search(name.lower())]
+    comm_m, work_m = _merge(comm), _merge(work)
+    span = max(e for _, _, e in events) - min(s for _, s, _ in events)
+    busy = _length(_merge(comm + work))
+    exposed_by_op = {}
+    for name, s, e in events:
+        if COLLECTIVE.search(name.lower()):
+            exposed_by_op[name] = exposed_by_op.get(name, 0) + _minus([[s, e]], work_m)
+
+    def ms(ns):
+        return round(ns / 1e6 / steps, 3)
+
+    return {"span_ms": ms(span), "compute_ms": ms(_length(work_m)), "collective_ms": ms(_length(comm_m)),
+            "exposed_collective_ms": ms(_minus(comm_m, work_m)), "idle_ms": ms(span - busy),
+            "collective_launches": round(len(comm) / steps, 1),
+            "top_exposed": [{"op": name[:100], "ms": ms(ns)} for name, ns in
+                            sorted(exposed_by_op.items(), key=lambda kv: -kv[1])[:top] if ns > 0]}
+
+
+def summarise_trace(trace_dir: str, steps: int, top: int = 8) -> dict:
+    """{device: breakdown} for every device of the trace, plus the mean over devices of each number."""
+    per_device = {name: breakdown(events, steps, top) for name, events in device_timelines(trace_dir).items()}
+    if not per_device:
+        raise RuntimeError(f"the trace under {trace_dir} holds no device events")
+    keys = ("span_ms", "compute_ms", "collective_ms", "exposed_collective_ms", "idle_ms")
+    mean = {k: round(sum(d[k] for d in per_device.values()) / len(per_device), 3) for k in keys}
+    return {"mean": mean, "devices": per_device}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("trace_dir")
+    p.add_argument("--steps", type=int, default=1, help="steps the trace holds (figures are per step)")
+    p.add_argument("--top", type=int, default=8, help="collectives listed by exposed time")
+    args = p.parse_args(argv)
+    for name, row in summarise_trace(args.trace_dir, args.steps, args.top)["devices"].items():
+        print(json.dumps({"device": name, **row}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
