@@ -180,9 +180,14 @@ def accumulate_gradients(loss_fn: Callable, params, micro_batches, trainable=Non
                 jax.lax.psum(total_n, "data"))
 
     rows = jax.tree.map(lambda _: P(None, "data"), micro_batches)
-    # check_vma=False: the gradient of a parameter replicated over `data` is then each group's own (with it, JAX
-    # would sum it over `data` inside every micro-batch, the traffic this avoids)
-    grads, metrics, total_n = jax.shard_map(per_group, in_specs=(P(), rows), out_specs=P(), axis_names={"data"},
+    # The map is manual over `data` and over every axis of size 1 (which changes nothing else): when the axes
+    # left to the partitioner are all of size 1, JAX's custom_partitioning ops (cuDNN attention on a GPU) fail
+    # an assertion while partitioning (jax 0.10-0.11: get_num_ways_dim_sharded); fully manual, they lower as
+    # plain calls. check_vma=False: the gradient of a parameter replicated over `data` is then each group's own
+    # (with it, JAX would sum it over `data` inside every micro-batch, the traffic this avoids).
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = {"data"} | {name for name, size in mesh.shape.items() if size == 1}
+    grads, metrics, total_n = jax.shard_map(per_group, in_specs=(P(), rows), out_specs=P(), axis_names=manual,
                                             check_vma=False)(params, micro_batches)
     return grads, _finish(metrics, total_n)
 

@@ -39,6 +39,12 @@ def test_bench_scaling_short(tmp_path):
         assert r["remat_warnings"] == 0
         assert r["tokens_per_s"] == pytest.approx(r["global_tokens"] / (r["step_ms"] / 1e3), rel=1e-3)
     assert sharded["efficiency"] == pytest.approx(sharded["tokens_per_s"] / (4 * single["tokens_per_s"]), abs=1e-4)
+    for r in (single, sharded):  # the same steps back to back, one read-back at the end
+        assert r["tokens_per_s_pipelined"] == pytest.approx(r["global_tokens"] / (r["step_ms_pipelined"] / 1e3),
+                                                            rel=1e-3)
+    assert single["efficiency_pipelined"] == 1.0
+    assert sharded["efficiency_pipelined"] == pytest.approx(
+        sharded["tokens_per_s_pipelined"] / (4 * single["tokens_per_s_pipelined"]), abs=1e-4)
     for r in (single, sharded):  # where a run's time went: its phases in order, within the driver's wall time
         phases = r["phases_s"]
         assert list(phases) == ["devices", "state", "compile", "steps", "profile"], phases
