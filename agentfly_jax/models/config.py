@@ -180,6 +180,12 @@ class ModelConfig:
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: bool = False  # recompute layer activations in the backward pass (saves memory)
+    # Each decoder layer runs on this many independent groups of the batch's rows (the same weights), so that
+    # one group's tensor-parallel collectives can run while another group's matrix products do: under tensor
+    # parallelism each all-reduce otherwise waits for the product before it and holds up the one after it. The
+    # groups take every N-th row, so each device splits its own rows. 1: off. A batch whose rows N does not
+    # divide runs whole (the result is the same either way).
+    layer_row_splits: int = 1
     # "auto": cuDNN fused attention on GPU in bf16/fp16, else "xla" (einsum, fp32 softmax, exact in fp32)
     attention_impl: str = "auto"
     # LoRA (models/lora.py): rank-r adapters beside the kernels of `lora_targets`, scaled by alpha / r; 0: none
@@ -207,6 +213,8 @@ class ModelConfig:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {_ROPE_TYPES}")
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'auto', 'xla' or 'cudnn'")
+        if not isinstance(self.layer_row_splits, int) or self.layer_row_splits < 1:
+            raise ValueError(f"layer_row_splits must be an integer >= 1 (1: off), got {self.layer_row_splits!r}")
         if self.lora_rank < 0 or self.lora_alpha <= 0:
             raise ValueError(f"lora_rank must be >= 0 and lora_alpha > 0, got {self.lora_rank} and {self.lora_alpha}")
         known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -404,9 +404,17 @@ class Decoder(nn.Module):
         mask = None if segment_ids is None else _constrain(attention_mask(segment_ids),
                                                            ("act_batch", "act_length", None))
         x = _constrain(x, _residual())
-        for layer in self.layers:
-            x = layer(x, positions, mask)
-        return self.norm(x)
+        n = self.config.layer_row_splits
+        if n == 1 or x.shape[0] % n:  # a schedule, not a result: rows it does not divide (init's one) run whole
+            for layer in self.layers:
+                x = layer(x, positions, mask)
+            return self.norm(x)
+        row_axis = positions.ndim - 2  # positions [B, T] or mRoPE's [3, B, T]
+        xs, ps = _row_groups(x, n, 0), _row_groups(positions, n, row_axis)
+        ms = [None] * n if mask is None else _row_groups(mask, n, 0)
+        for layer in self.layers:  # the groups share no data within a layer: XLA may interleave them
+            xs = [_constrain(layer(xi, pi, mi), _residual()) for xi, pi, mi in zip(xs, ps, ms)]
+        return self.norm(_constrain(_join_rows(xs, 0), _residual()))
 
     def attend(self, hidden):
         """Logits against the (tied) embedding table, as nn.Embed.attend computes them; the table pinned to its
@@ -414,6 +422,21 @@ class Decoder(nn.Module):
         table = _gemm_kernel(self.embed_tokens.embedding, ("vocab", "embed"))
         dtype = self.config.dtype
         return jnp.dot(hidden.astype(dtype), table.astype(dtype).T)
+
+
+def _row_groups(a, n: int, axis: int) -> list:
+    """`n` groups of `a`'s rows along `axis`, group j holding rows j, j + n, j + 2n, ...: a device holding a
+    contiguous block of rows (divisible by n) holds its share of every group, so the split moves no data."""
+    shape = a.shape
+    a = a.reshape(*shape[:axis], shape[axis] // n, n, *shape[axis + 1:])
+    return [jax.lax.index_in_dim(a, j, axis + 1, keepdims=False) for j in range(n)]
+
+
+def _join_rows(groups: list, axis: int):
+    """Inverse of `_row_groups`."""
+    a = jnp.stack(groups, axis=axis + 1)
+    shape = a.shape
+    return a.reshape(*shape[:axis], shape[axis] * shape[axis + 1], *shape[axis + 2:])
 
 
 class CausalLM(nn.Module):

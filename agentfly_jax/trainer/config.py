@@ -135,6 +135,9 @@ class ModelSection:
     # (mixed precision): Adam steps at RL learning rates are below bf16's resolution. None = `dtype`.
     param_dtype: str | None = knob("float32", *_one_of(None, "float32", "bfloat16", "float16"))
     remat: bool = False
+    # each decoder layer on N independent groups of the rows, so one group's tensor-parallel collectives overlap
+    # another's matrix products (models/config.py); 1: off
+    layer_row_splits: int = knob(1, *POSITIVE)
     attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
     # how XLA emits the matrix products of the update phase's programs (prepare, the RL and SFT steps) on a GPU:
     # "cublas" (library GEMMs, faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions,

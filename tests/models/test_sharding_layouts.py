@@ -191,17 +191,19 @@ def test_kv_heads_are_repeated_where_the_mesh_splits_query_heads_further():
         assert (kv_heads * repeats) % shards == 0 and (heads // kv_heads) % repeats == 0
 
 
-def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict, rules=shd.DEFAULT_RULES, micro_batches=1):
+def _assert_sharded_update_equals_one_device(cfg: dict, axes: dict, rules=shd.DEFAULT_RULES, micro_batches=1,
+                                             reference_cfg=None):
     """Logits and one gradient step (SGD: the update is the gradient itself) under `axes` and `rules` equal one
-    device's, and so do the step's metrics."""
+    device's (of the model `reference_cfg`, by default the same), and so do the step's metrics."""
     model = CausalLM(ModelConfig(**cfg))
+    reference_model = CausalLM(ModelConfig(**(reference_cfg or cfg)))
     params = init_params(model, jax.random.PRNGKey(0))
     optimizer = optax.sgd(1.0)
     rows = jax.tree.map(jnp.asarray, _policy_rows(8 * micro_batches, micro_batches))
     alg = get_recipe("grpo").resolve({}, {})
     ids = rows.tokens[0]
-    reference_logits = jax.jit(model.apply)({"params": params}, ids)
-    reference, ref_metrics = make_train_step(model, alg, optimizer)(
+    reference_logits = jax.jit(reference_model.apply)({"params": params}, ids)
+    reference, ref_metrics = make_train_step(reference_model, alg, optimizer)(
         create_train_state(jax.tree.map(jnp.copy, params), optimizer), rows)
 
     mesh = shd.make_mesh(axes)
@@ -483,3 +485,59 @@ def test_gradient_accumulation_holds_custom_partitioned_ops(axes):
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-5)
     for k in want_metrics:
         np.testing.assert_allclose(metrics[k], want_metrics[k], rtol=1e-5, atol=1e-5)
+
+
+SPLIT = {**CFG, "layer_row_splits": 2}
+
+
+def test_layer_row_groups_round_trip_and_take_every_nth_row():
+    from agentfly_jax.models.transformer import _join_rows, _row_groups
+
+    x = jnp.arange(3 * 8 * 5).reshape(3, 8, 5)  # rows on axis 1, as mRoPE's positions [3, B, T]
+    groups = _row_groups(x, 4, 1)
+    assert len(groups) == 4 and all(g.shape == (3, 2, 5) for g in groups)
+    np.testing.assert_array_equal(groups[1], x[:, 1::4])
+    np.testing.assert_array_equal(_join_rows(groups, 1), x)
+    with pytest.raises(ValueError, match="layer_row_splits must be an integer >= 1"):
+        ModelConfig(**{**CFG, "layer_row_splits": 0})
+
+
+def test_layer_row_splits_give_the_same_model():
+    """Each layer on two groups of rows (packed segments, remat on) computes what the unsplit model does; a
+    batch whose rows do not divide runs whole."""
+    split, whole = CausalLM(ModelConfig(**SPLIT, remat=True)), CausalLM(ModelConfig(**CFG))
+    params = init_params(whole, jax.random.PRNGKey(1))
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, CFG["vocab_size"], (4, T)), jnp.int32)
+    segments = jnp.asarray(np.repeat([[1] * 25 + [2] * 15], 4, 0), jnp.int32)
+    positions = jnp.asarray(np.concatenate([np.arange(25), np.arange(15)])[None].repeat(4, 0), jnp.int32)
+    want = whole.apply({"params": params}, ids, positions, segments)
+    got = split.apply({"params": params}, ids, positions, segments)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+    grad = jax.grad(lambda p, m: m.apply({"params": p}, ids, positions, segments).astype(jnp.float32).std())
+    for a, b in zip(jax.tree.leaves(grad(params, split)), jax.tree.leaves(grad(params, whole)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(split.apply({"params": params}, ids[:3])),
+                               np.asarray(whole.apply({"params": params}, ids[:3])), atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_layer_row_splits_update_under_fsdp_x_tensor_equals_the_unsplit_one_device():
+    _assert_sharded_update_equals_one_device(SPLIT, {"fsdp": 2, "tensor": 4}, reference_cfg=CFG)
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2, "tensor": 2}, {"tensor": 4}], ids=["fsdp2xtensor2", "tensor4"])
+def test_layer_row_splits_keep_each_devices_rows_and_split_the_all_reduces(capfd, axes):
+    """Under layer_row_splits=2 every layer's tensor all-reduces run on each group's half of the device's own
+    rows (twice as many, half as large): the split moves no data between devices and adds no rematerialization."""
+    capfd.readouterr()
+    hlo, local_rows = _compile_update(axes, cfg=SPLIT, rows_per_shard=4)
+    assert REMAT not in capfd.readouterr().err.lower()
+    devices = int(np.prod(list(axes.values())))
+    moved = _activation_collectives(hlo, devices)
+    assert {op for op, _, _ in moved} == {"all-reduce"}
+    assert all(_within_tensor(groups, axes) for _, _, groups in moved)
+    rows_of = [d[0] for _, dims, _ in moved for d in dims if len(d) >= 2 and d[1] in (T, T - 1)]
+    half = rows_of.count(local_rows // 2)
+    assert half >= 2 * 2 * CFG["num_layers"], rows_of  # attention's and the MLP's, per group and layer, forward
+    assert set(rows_of) <= {local_rows, local_rows // 2}, rows_of  # the embedding and the logits: all rows

@@ -96,6 +96,8 @@ def test_bad_arguments_are_refused_in_one_line():
     assert proc.returncode == 2 and "--devices and --processes take comma-separated integers" in proc.stderr
     proc = _run(["--rows-per-device", "8", "--micro-batches", "3"])
     assert proc.returncode == 2 and "--micro-batches 3 must divide --rows-per-device 8" in proc.stderr
+    proc = _run(["--rows-per-device", "8", "--micro-batches", "2", "--layer-row-splits", "3"])
+    assert proc.returncode == 2 and "--layer-row-splits 3 must divide a micro-batch's rows per device (4)" in proc.stderr
     proc = _run(["--rule", "act_residual_bach=tensor"])  # the trainer's own rule check, before any worker runs
     assert proc.returncode == 2 and "sharding rule 'act_residual_bach': no such logical name" in proc.stderr
 

@@ -88,6 +88,26 @@ def test_build_policy_makes_a_qwen2_5_vl_policy_with_the_tokenizers_vision_token
         builders.build_policy(cfg, build_llama3_style_tokenizer(tmp_path / "llama"))
 
 
+def test_layer_row_splits_reach_the_policy_and_split_mrope_positions(tokenizer):
+    """config.model.layer_row_splits reaches the built model; with mRoPE positions [3, B, T] the layers on two
+    groups of rows give the unsplit model's hidden states."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    c = visual_scenes_grpo.get_config("cpu")
+    c.model.layer_row_splits = 2
+    model, params = builders.build_policy(TrainConfig.build(c), tokenizer)
+    assert model.config.layer_row_splits == 2
+    whole = Qwen2_5_VLCausalLM(dataclasses.replace(model.config, layer_row_splits=1))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 12, model.config.hidden_size)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 12, (3, 4, 12)), jnp.int32)  # distinct per axis and row
+    got, want = (m.apply({"params": params}, x, positions, method="hidden_from_embeddings") for m in (model, whole))
+    assert not np.allclose(np.asarray(positions[:, 0]), np.asarray(positions[:, 1]))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+
+
 @pytest.mark.slow
 def test_cpu_variant_trains_on_images_end_to_end(tmp_path):
     workdir = tmp_path / "run"
