@@ -1,5 +1,4 @@
 """scripts/bench_sampler.py: its roofline arithmetic, and the short CPU version end to end."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,15 +8,13 @@ from pathlib import Path
 import pytest
 
 from agentfly_jax.models import ModelConfig
+from tests.script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_sampler", ROOT / "scripts" / "bench_sampler.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_sampler")
 
 
 def test_roofline_arithmetic():

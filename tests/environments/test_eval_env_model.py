@@ -3,7 +3,6 @@ sampling from a checkpoint on the embedded JAX sampler, plays ALFWorld's held-ou
 (pooled engines, the environment's reward). The checkpoint is what the trainer writes as `final_policy`: the
 alfworld_grpo config's tiny random policy with the offline Qwen2.5 tokenizer."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,20 +13,14 @@ pytest.importorskip("alfworld", reason="needs the envs extra: pip install -e '.[
 from agentfly_jax.models import save_pretrained  # noqa: E402
 from agentfly_jax.trainer import builders  # noqa: E402
 from agentfly_jax.trainer.config import TrainConfig  # noqa: E402
+from tests.script_modules import load_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def eval_env():
-    return _load("eval_env_script", ROOT / "scripts" / "eval_env.py")
+    return load_script("eval_env", "eval_env_script")
 
 
 @pytest.fixture(scope="module")

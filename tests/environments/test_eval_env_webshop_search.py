@@ -2,21 +2,19 @@
 task through the real rollout (ReAct turns, pooled environments, the environment's reward), the random
 agent scores below it."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def eval_env():
-    spec = importlib.util.spec_from_file_location("eval_env_script", ROOT / "scripts" / "eval_env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("eval_env", "eval_env_script")
 
 
 @pytest.mark.slow

@@ -163,11 +163,9 @@ def test_scripted_agent_needs_the_policy(tokenizer):
 
 @pytest.fixture(scope="module")
 def eval_env():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "eval_env.py"
-    spec = importlib.util.spec_from_file_location("eval_env_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.script_modules import load_script
+
+    return load_script("eval_env", "eval_env_script")
 
 
 ENV = "tests.environments.test_evaluation:counter_env_spec"

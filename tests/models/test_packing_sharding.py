@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from agentfly_jax.models import CausalLM, ModelConfig, ValueModel, init_params
 from agentfly_jax.models import sharding as shd

@@ -395,14 +395,9 @@ def test_reshard_constrains_the_value_one_way_and_its_gradient_the_other():
 
 
 def _bench_scaling():
-    import importlib.util
-    import pathlib
+    from tests.script_modules import load_script
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_scaling.py"
-    spec = importlib.util.spec_from_file_location("bench_scaling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_scaling")
 
 
 @pytest.mark.parametrize("axes", [{"data": 2}, {"data": 4, "fsdp": 2}, {"data": 2, "tensor": 4}],

@@ -1,19 +1,14 @@
 """The short version of scripts/bench_rollout_overlap.py: wall time stays close to the critical path."""
 
 import gc
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_rollout_overlap.py"
+from tests.script_modules import load_script
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_rollout_overlap", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_rollout_overlap")
 
 
 def test_short_overlap_benchmark(qwen_tokenizer, capsys):

@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from tests.script_modules import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHORT = ["--shapes", "tiny", "--rows-per-device", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1"]
 
@@ -145,15 +147,11 @@ def test_precompiled_runs_load_their_programs_from_the_cache(tmp_path):
 def test_collectives_in_loops_are_those_of_while_bodies():
     """`collectives_in_loops` counts a collective inside a loop's body (once per iteration when run) and not one
     outside it; on a program of 2 fake CPU devices."""
-    import importlib.util
-
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    spec = importlib.util.spec_from_file_location("bench_scaling", os.path.join(ROOT, "scripts", "bench_scaling.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_scaling")
     mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
 
     def program(in_loop: bool):
@@ -174,11 +172,7 @@ def test_collectives_in_loops_are_those_of_while_bodies():
 def test_trace_timeline_breakdown_against_a_per_nanosecond_count():
     """trace_timeline.breakdown's interval arithmetic (computation and collectives merged separately, the
     collective time no computation covers, the time nothing runs) equals counting every nanosecond of the span."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("trace_timeline", os.path.join(ROOT, "scripts", "trace_timeline.py"))
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = load_script("trace_timeline")
     rng = np.random.default_rng(0)
     names = ["fusion.3", "gemm_7", "all-reduce.12", "ncclDevKernel_AllGather_RING_LL", "reduce-scatter.1", "copy.2"]
     for _ in range(20):

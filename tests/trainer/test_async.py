@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import gc
-import importlib.util
 import json
 import os
 import threading
@@ -23,11 +22,9 @@ from agentfly_jax.trainer.checkpoint import Checkpointer
 from agentfly_jax.trainer.config import ConfigError, TrainConfig
 from experiments import quickstart
 from tests.rollout.fakes import FakeScriptedBackend
+from tests.script_modules import load_script
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_async.py")
-_spec = importlib.util.spec_from_file_location("bench_async", SCRIPT)
-bench_async = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_async)
+bench_async = load_script("bench_async")
 
 
 @pytest.fixture(autouse=True)
