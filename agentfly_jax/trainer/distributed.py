@@ -834,13 +834,17 @@ def _interrupt_main() -> None:
         _thread.interrupt_main()
 
 
+def _flush_output() -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 def _exit(code: int) -> None:
     """Ends the process at once (after flushing logs and output): JAX's own exit handler would wait for every
     process at a shutdown barrier, which processes that are gone never reach."""
     try:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _flush_output()
     finally:
         os._exit(code)
 
@@ -858,6 +862,12 @@ def _at_exit() -> None:
         stopped_by(uncaught)
     if dog.failure is not None or dog.failed_here:
         end_child_processes()  # whatever the run's own cleanup did not close (it may not have run at all)
-        dog.exiting()
-        _exit(1)
+        # Output flushed before saying so: once this process has said it ends, process 0 stays only
+        # EXIT_LINGER_S, after which its coordinator's end makes JAX abort whoever is still running (seen on a
+        # loaded machine: a process aborted by JAX after it had said it was ending); saying it is the last step.
+        try:
+            _flush_output()
+        finally:
+            dog.exiting()
+            os._exit(1)
     dog.finish()
