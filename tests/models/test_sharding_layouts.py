@@ -506,14 +506,17 @@ def test_layer_row_splits_give_the_same_model():
     ids = jnp.asarray(rng.integers(0, CFG["vocab_size"], (4, T)), jnp.int32)
     segments = jnp.asarray(np.repeat([[1] * 25 + [2] * 15], 4, 0), jnp.int32)
     positions = jnp.asarray(np.concatenate([np.arange(25), np.arange(15)])[None].repeat(4, 0), jnp.int32)
-    want = whole.apply({"params": params}, ids, positions, segments)
-    got = split.apply({"params": params}, ids, positions, segments)
+    want = jax.jit(whole.apply)({"params": params}, ids, positions, segments)
+    got = jax.jit(split.apply)({"params": params}, ids, positions, segments)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
-    grad = jax.grad(lambda p, m: m.apply({"params": p}, ids, positions, segments).astype(jnp.float32).std())
-    for a, b in zip(jax.tree.leaves(grad(params, split)), jax.tree.leaves(grad(params, whole)), strict=True):
+
+    def grad(model):
+        return jax.jit(jax.grad(lambda p: model.apply({"params": p}, ids, positions, segments).std()))(params)
+
+    for a, b in zip(jax.tree.leaves(grad(split)), jax.tree.leaves(grad(whole)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(np.asarray(split.apply({"params": params}, ids[:3])),
-                               np.asarray(whole.apply({"params": params}, ids[:3])), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(jax.jit(split.apply)({"params": params}, ids[:3])),
+                               np.asarray(jax.jit(whole.apply)({"params": params}, ids[:3])), atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
