@@ -438,6 +438,14 @@ def _summary(results: list[dict], args) -> list[str]:
                          f"{_fmt(r, 'efficiency', '.1%')} | {r['step_ms_pipelined']} | "
                          f"{_fmt(r, 'efficiency_pipelined', '.1%')} | {_fmt(r, 'vs_one_process', '.3f')} | "
                          f"{r['remat_warnings']} |")
+    profiled = [r for r in results if "timeline" in r]
+    if profiled:  # --profile: where each run's device time went, ms a step, averaged over its devices
+        lines += ["", "| shape | layout | devices | processes | span ms | computation | collectives | exposed | idle |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in profiled:
+            t = r["timeline"]["mean"]
+            lines.append(f"| {r['shape']} | {r['layout']} | {r['devices']} | {r['processes']} | {t['span_ms']} | "
+                         f"{t['compute_ms']} | {t['collective_ms']} | {t['exposed_collective_ms']} | {t['idle_ms']} |")
     return lines
 
 

@@ -62,6 +62,7 @@ def test_bench_scaling_short(tmp_path):
         assert t["compute_ms"] > 0 and t["span_ms"] >= t["compute_ms"] and t["idle_ms"] >= 0
         assert 0 <= t["exposed_collective_ms"] <= t["collective_ms"]
     assert single["timeline"]["mean"]["collective_ms"] == 0 and sharded["timeline"]["mean"]["collective_ms"] > 0
+    assert "| shape | layout | devices | processes | span ms | computation | collectives | exposed | idle |" in proc.stdout
     assert "SUMMARY weak scaling, 1 x 16 tokens per device, cpu" in proc.stdout
     assert "| tiny | fsdp_tensor | 4 | 1 |" in proc.stdout
 
