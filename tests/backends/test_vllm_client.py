@@ -174,20 +174,40 @@ def test_weight_update_protocol_order(tiny_model):
     calls = run(go, {})
     stages = calls.count("rpc:" + ext.STAGE)
     assert stages >= 3
-    assert calls == ["pause", *["rpc:" + ext.STAGE] * stages, "rpc:" + ext.COMMIT, "reset", "resume"]
+    # the chunks travel while the server still runs its requests: the pause covers the load only
+    assert calls == [*["rpc:" + ext.STAGE] * stages, "pause", "rpc:" + ext.COMMIT, "reset", "resume"]
+
+
+_CHUNK = 256 * 1024  # chunks under the fake server's largest request body (1 MiB, aiohttp's default)
+
+
+def test_a_failed_staging_drops_the_staged_chunks_and_never_pauses(tiny_model):
+    model, params = tiny_model
+
+    async def go(server):
+        async with VLLMBackend(server.url, model, max_retries=0, chunk_bytes=_CHUNK) as backend:
+            with pytest.raises(VLLMServerError, match=f"version 4 failed on 1 of 1.*{server.url}.*{ext.STAGE} failed"):
+                await backend.update_weights(params, version=4)
+            after = await backend.generate([1], max_tokens=2)  # the server serves on, with the old weights
+            return server.calls, backend.weight_version, after
+
+    calls, version, (after,) = run(go, {"fail_rpc": ext.STAGE})
+    assert calls[:2] == ["rpc:" + ext.STAGE, "rpc:" + ext.ABORT]
+    assert "pause" not in calls and "resume" not in calls and "rpc:" + ext.COMMIT not in calls
+    assert version == 0 and after.weight_version == 0
 
 
 def test_failed_weight_update_aborts_resumes_and_keeps_the_version(tiny_model):
     model, params = tiny_model
 
     async def go(server):
-        async with VLLMBackend(server.url, model, max_retries=0) as backend:
-            with pytest.raises(VLLMServerError, match=f"version 3 failed on 1 of 1.*{server.url}"):
+        async with VLLMBackend(server.url, model, max_retries=0, chunk_bytes=_CHUNK) as backend:
+            with pytest.raises(VLLMServerError, match=f"version 3 failed on 1 of 1.*{server.url}.*{ext.COMMIT} failed"):
                 await backend.update_weights(params, version=3)
             return server.calls, backend.weight_version, dict(backend.stats)
 
     calls, version, stats = run(go, {"fail_rpc": ext.COMMIT})
-    assert calls[-2:] == ["rpc:" + ext.ABORT, "resume"] and "reset" not in calls
+    assert calls[-4:] == ["pause", "rpc:" + ext.COMMIT, "rpc:" + ext.ABORT, "resume"] and "reset" not in calls
     assert version == 0 and stats["failed_weight_updates"] == 1
 
 

@@ -51,7 +51,8 @@ Sources (vLLM 0.32): entrypoints/scale_out/token_in_token_out/{protocol,serving}
 images before sending anything. Prompts without images go to /v1/completions as before, on any model.
 
 Weight sync (`update_weights(params, version, interrupt=...)`): new `generate` calls wait (in this client) while
-an update runs; then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
+an update runs; the weights are sent to every server while it still runs its requests (staged beside the model),
+then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
 were computed with the old weights and would otherwise be reused for matching prompt prefixes), `POST /resume`.
 A vision-language server also gets `POST /reset_encoder_cache` after that reset: vLLM keeps the vision tower's
 outputs per image (its encoder cache) and asks for this reset after a weight update. vLLM 0.32's `/pause` already
@@ -535,12 +536,14 @@ class VLLMBackend(GenerationBackend):
         self._loop_state()
         chunks = await asyncio.to_thread(self._serialize, params)
 
-        async def push(server: _Server):
+        async def stage(server: _Server):
             for payload in chunks:
                 await self._rpc(server, ext.STAGE, payload=payload)
+
+        async def commit(server: _Server):
             return await self._rpc(server, ext.COMMIT, version=str(int(version)))
 
-        await self._update_all(push, version, abort=True, interrupt=interrupt)
+        await self._update_all(commit, version, abort=True, interrupt=interrupt, stage=stage)
 
     async def update_weights_from_path(self, path: str, version: int, *, interrupt: bool = False) -> None:
         """Every server reloads the checkpoint directory `path` (config.json + safetensors, readable by them);
@@ -568,12 +571,12 @@ class VLLMBackend(GenerationBackend):
                                   timeout=self.update_timeout)
         return (answer or {}).get("results") or []
 
-    async def _update_all(self, load, version: int, *, abort: bool, interrupt: bool):
+    async def _update_all(self, load, version: int, *, abort: bool, interrupt: bool, stage=None):
         async with self._update_lock:
             self._ready.clear()
             t0 = time.perf_counter()
             try:
-                outcomes = await asyncio.gather(*[self._update_one(s, load, version, abort, interrupt)
+                outcomes = await asyncio.gather(*[self._update_one(s, load, version, abort, interrupt, stage)
                                                   for s in self.servers], return_exceptions=True)
                 failed = [(s.url, o) for s, o in zip(self.servers, outcomes) if isinstance(o, BaseException)]
                 if failed:
@@ -588,10 +591,17 @@ class VLLMBackend(GenerationBackend):
             finally:
                 self._ready.set()
 
-    async def _update_one(self, server: _Server, load, version: int, abort: bool, interrupt: bool):
-        """pause -> load -> reset the prefix cache -> resume, on one server (see the module docstring)."""
+    async def _update_one(self, server: _Server, load, version: int, abort: bool, interrupt: bool, stage=None):
+        """[stage ->] pause -> load -> reset the prefix cache -> resume, on one server (see the module docstring).
+        `stage` sends the weights while the server still runs its requests, so the pause lasts only the load."""
         timeout = self.update_timeout
         mode = "keep" if interrupt else "wait"
+        if stage is not None:
+            try:
+                await stage(server)
+            except BaseException:
+                await self._drop_staged(server)
+                raise
         await self._with_retries(f"pausing {server.url}",
                                  lambda s: self._call(s, "POST", f"/pause?mode={mode}", timeout=timeout),
                                  server=server)
@@ -601,10 +611,7 @@ class VLLMBackend(GenerationBackend):
                 results = await load(server)
             except BaseException:
                 if abort:
-                    try:
-                        await self._rpc(server, ext.ABORT)
-                    except (_RetryableError, ValueError) as exc:  # the load's own error is the one to report
-                        log.warning("could not drop staged weights on %s: %s", server.url, exc)
+                    await self._drop_staged(server)
                 raise
             loaded = {r.get("version") for r in results}
             if loaded != {int(version)}:
@@ -625,6 +632,12 @@ class VLLMBackend(GenerationBackend):
                 log.warning("could not resume %s after its failed weight update: %s", server.url, exc)
             raise
         await self._resume(server)
+
+    async def _drop_staged(self, server: _Server):
+        try:
+            await self._rpc(server, ext.ABORT)
+        except (_RetryableError, ValueError) as exc:  # the update's own error is the one to report
+            log.warning("could not drop staged weights on %s: %s", server.url, exc)
 
     async def _resume(self, server: _Server):
         await self._with_retries(f"resuming {server.url}",

@@ -4,9 +4,10 @@ This module runs inside the vLLM server's own environment, which has torch and s
 agentfly_jax: it imports nothing from the package (scripts/start_vllm.sh loads a copy of this file under the
 module name `agentfly_vllm_worker_ext`). `VLLMBackend` drives it:
 
+  POST /collective_rpc {method: STAGE, kwargs: {payload}}  once per chunk: base64 safetensors bytes, HF names
+                                                         (while the engine still runs: the model is not touched)
   POST /pause?mode=wait                                  finish running requests, hold new ones
        (or ?mode=keep, interrupt=True: freeze running requests; then IN_FLIGHT_LENGTHS, the tokens each has)
-  POST /collective_rpc {method: STAGE, kwargs: {payload}}  once per chunk: base64 safetensors bytes, HF names
   POST /collective_rpc {method: COMMIT, kwargs: {version}} load every staged tensor at once, record the version
   POST /reset_prefix_cache, then POST /resume            (cached KV blocks were computed with the old weights)
 
