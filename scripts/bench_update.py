@@ -100,28 +100,34 @@ def run_jax(args) -> dict:
     micro = jax.tree.map(jnp.asarray, take_minibatch(rows, 0))  # [M, R, L]
     holder = {"state": state}
 
+    # each mode's program compiled ahead of time (its HLO names the kernels of a --profile trace), then timed
+    t0 = time.perf_counter()
     if args.mode == "forward":
-        fwd = jax.jit(lambda p, r: token_logprobs(model, p, r, chunk=alg.logprob_chunk)[0], compiler_options=options)
         first = jax.tree.map(lambda x: x[0], micro)
+        fwd = jax.jit(lambda p, r: token_logprobs(model, p, r, chunk=alg.logprob_chunk)[0], compiler_options=options
+                      ).lower(params, first).compile()
 
         def one():
             jax.block_until_ready(fwd(params, first))
+        compiled = fwd
     elif args.mode == "grad":
         from agentfly_jax.trainer.update import accumulate_gradients, policy_loss
         grad_fn = jax.jit(lambda p, mb: accumulate_gradients(lambda q, b_: policy_loss(q, b_, model, alg), p, mb),
-                          compiler_options=options)
+                          compiler_options=options).lower(params, micro).compile()
 
         def one():
             jax.block_until_ready(grad_fn(params, micro))
+        compiled = grad_fn
     else:
-        def one():
-            holder["state"], metrics = step(holder["state"], micro)
-            jax.block_until_ready(metrics["policy/loss"])
+        compiled = step.lower(holder["state"], micro).compile()
 
-    t0 = time.perf_counter()
+        def one():
+            holder["state"], metrics = compiled(holder["state"], micro)
+            jax.block_until_ready(metrics["policy/loss"])
     one()
     compile_s = time.perf_counter() - t0
     times = _timeit(one, args.steps, args.warmup)
+    profile = _profile(one, compiled.as_text(), args.profile) if args.profile else None
     stats = jax.devices()[0].memory_stats() or {}
     opt_values = sum(int(x.size) for x in jax.tree.leaves(holder["state"].policy.opt_state) if x.ndim > 0)
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
@@ -132,7 +138,61 @@ def run_jax(args) -> dict:
                 int(x.size) for x in jax.tree.leaves(params)),
             "optimizer_values": opt_values,
             "peak_gib": round(stats["peak_bytes_in_use"] / 2**30, 3) if "peak_bytes_in_use" in stats else None,
-            **_summary(args, times)}
+            **_summary(args, times), **({"profile": profile} if profile else {})}
+
+
+# --profile: an HLO instruction's part of the model, from the op_name of its metadata (flax module paths,
+# `transpose(jvp(...))` in the backward); the first pattern that matches names it
+_MODEL_PARTS = (("q/k/v projections", r"/(q_proj|k_proj|v_proj)(/|$)"), ("o_proj", r"/o_proj(/|$)"),
+                ("MLP", r"/mlp(/|$)"), ("attention", r"/self_attn(/|$)"), ("norms", r"layernorm|/norm(/|$)"),
+                ("embedding lookup", r"\.embed(/|$)|/embed_tokens"), ("lm_head", r"attend|lm_head|logits_from_hidden"))
+# kernels by their own (library or fusion) name: what kind of work
+_KERNEL_KINDS = (("collectives", r"nccl|all-reduce|all_reduce|all-gather|all_gather|reduce-scatter"),
+                 ("GEMM", r"gemm|cublas|nvjet|xmma|cutlass|matmul|dot"),
+                 ("attention kernels", r"cudnn|flash|fmha|attention"),
+                 ("copies", r"copy|transpose|memcpy|memset|concatenate|dynamic_slice|dynamic-update"))
+
+
+def update_part(op_name: str) -> str:
+    """The part of the update step an HLO instruction belongs to, e.g. 'MLP (backward)', 'log-probs and loss',
+    'optimizer and metrics'."""
+    import re
+
+    if "CausalLM" in op_name or "model.attend" in op_name:
+        part = next((name for name, pattern in _MODEL_PARTS if re.search(pattern, op_name)), "model, other")
+        return f"{part} ({'backward' if 'transpose(' in op_name else 'forward'})"
+    if "/while/" in op_name or "closed_call" in op_name or "log_softmax" in op_name:
+        return "log-probs and loss"  # the micro-batch loop's own ops outside the model
+    return "optimizer and metrics"
+
+
+def _profile(one, hlo_text: str, calls: int) -> dict:
+    """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update (`update_part`),
+    by kind of kernel, and the timeline's split into computation and idle (scripts/trace_timeline.py)."""
+    import re
+    import shutil
+    import tempfile
+
+    import jax
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from trace_timeline import breakdown, device_timelines, hlo_labels, kernel_key, time_by_label
+
+    trace_dir = tempfile.mkdtemp(prefix="bench-update-trace-")
+    try:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(calls):
+                one()
+        by_op = next(iter(device_timelines(trace_dir, by_hlo_op=True).values()))
+        by_kernel = next(iter(device_timelines(trace_dir).values()))
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    labels = hlo_labels(hlo_text, update_part)
+    kinds = {kernel_key(name): next((k for k, pat in _KERNEL_KINDS if re.search(pat, name.lower())), "other kernels")
+             for name, _, _ in by_kernel}
+    timeline = breakdown(by_kernel, calls)
+    return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"], "parts_ms": time_by_label(by_op, labels, calls, lambda name: "unlabelled"),
+            "kinds_ms": time_by_label(by_kernel, kinds, calls)}
 
 
 def _time_optimizers(args, params, trainable) -> dict:
@@ -283,6 +343,10 @@ def main(argv=None) -> int:
     p.add_argument("--lora-rank", type=int, default=0, help="ours: train rank-r LoRA adapters, the base frozen")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="ours: after timing, N more calls under jax.profiler; the result's `profile` gives device ms "
+                        "per call by part of the step (MLP, attention, ... forward and backward; loss; optimizer) "
+                        "and by kind of kernel")
     p.add_argument("--impl", choices=["all", "jax", "torch"], default="all")
     p.add_argument("--out", help="append JSON results to this file")
     args = p.parse_args(argv)

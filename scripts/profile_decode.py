@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trace_timeline
 
 from agentfly_jax.models.shapes import SHAPES  # noqa: E402
+from trace_timeline import device_timelines, hlo_labels, kernel_key  # noqa: E402
 
 # the named scopes of models/decode.py and the sampler's decode program, found in an op's HLO metadata
 SCOPES = ("sampling", "lm_head", "cache_write", "attention", "qkv", "o_proj", "mlp")
@@ -41,37 +42,15 @@ KINDS = (
 
 
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the named scope (SCOPES) its metadata's op_name carries, from a compiled program's
-    text; a fusion's scope is the one most of its fused instructions carry."""
-    scope_of, votes, current = {}, collections.defaultdict(collections.Counter), None
-    for line in hlo_text.splitlines():
-        head = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if head and "=" not in line.split("{")[0]:
-            current = head.group(1)
-            continue
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", line)
-        if not m:
-            continue
-        name, op_name = m.groups()
-        scope = next((s for s in SCOPES if re.search(rf"(^|/){s}(/|$)", op_name)), None)
-        if scope:
-            scope_of[_key(name)] = scope
-            if current:
-                votes[current][scope] += 1
-    for line in hlo_text.splitlines():  # fusions and calls: the scope of the computation they call
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?calls=%?([\w.\-]+)", line)
-        if m and _key(m.group(1)) not in scope_of and votes.get(m.group(2)):
-            scope_of[_key(m.group(1))] = votes[m.group(2)].most_common(1)[0][0]
-    return scope_of
-
-
-def _key(name: str) -> str:  # a GPU kernel is named after its HLO instruction with "." as "_"
-    return name.replace(".", "_")
+    """kernel key -> the named scope (SCOPES) its HLO instruction's op_name carries (a fusion: the scope most of
+    its fused instructions carry)."""
+    return hlo_labels(hlo_text, lambda op_name: next(
+        (s for s in SCOPES if re.search(rf"(^|/){s}(/|$)", op_name)), None))
 
 
 def kind_of(name: str, scopes: dict[str, str] | None = None) -> str:
-    if scopes and _key(name) in scopes:
-        return scopes[_key(name)]
+    if scopes and kernel_key(name) in scopes:
+        return scopes[kernel_key(name)]
     low = name.lower()
     for kind, pattern in KINDS:
         if re.search(pattern, low):
@@ -82,8 +61,6 @@ def kind_of(name: str, scopes: dict[str, str] | None = None) -> str:
 def device_events(trace_dir: str) -> list[tuple[str, float]]:
     """(op name, duration ms) of every device op in the trace under `trace_dir` (GPU planes; the host's XLA ops
     when there is no GPU)."""
-    from trace_timeline import device_timelines
-
     return [(name, (end - start) / 1e6) for events in device_timelines(trace_dir).values()
             for name, start, end in events]
 

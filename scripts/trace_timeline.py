@@ -17,10 +17,12 @@ so the CPU breakdown is one timeline of the whole host, useful only to check tha
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
 import sys
+from typing import Callable
 
 # NCCL kernels and XLA's own names for collectives (GPU kernels are named after their HLO instruction, "." -> "_")
 COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective[-_]?permute|"
@@ -29,9 +31,18 @@ COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|
 WRAPPER = re.compile(r"^ThunkExecutor|^ExecuteHelper|^PjRt|^Execute$")
 
 
-def device_timelines(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
+def _hlo_op(event) -> str | None:
+    for key, value in event.stats:
+        if key == "hlo_op":
+            return str(value)
+    return None
+
+
+def device_timelines(trace_dir: str, by_hlo_op: bool = False) -> dict[str, list[tuple[str, int, int]]]:
     """{device plane name: [(op name, start ns, end ns), ...]} from the newest `.xplane.pb` under `trace_dir`:
-    every op on every stream line of each GPU; on a CPU, the host's XLA op lines as one 'device'."""
+    every op on every stream line of each GPU; on a CPU, the host's XLA op lines as one 'device'. With
+    `by_hlo_op` an event is named by the HLO instruction that launched it where the trace says (its `hlo_op`
+    stat: a cuBLAS or cuDNN kernel has a library name of its own), else by its kernel name."""
     from jax.profiler import ProfileData
 
     paths = [os.path.join(root, f) for root, _, files in os.walk(trace_dir) for f in files
@@ -46,14 +57,57 @@ def device_timelines(trace_dir: str) -> dict[str, list[tuple[str, int, int]]]:
             for line in plane.lines:
                 # one line per stream holds the kernels; "XLA Ops" / "XLA Modules" repeat them: skip those
                 if "Stream" in line.name:
-                    events.extend((ev.name, int(ev.start_ns), int(ev.end_ns)) for ev in line.events)
+                    events.extend(((by_hlo_op and _hlo_op(ev)) or ev.name, int(ev.start_ns), int(ev.end_ns))
+                                  for ev in line.events)
         elif plane.name.startswith("/host:CPU"):
             for line in plane.lines:
                 if "XLA" in line.name or "TFRT" in line.name or "tf_XLA" in line.name:
-                    host.extend((ev.name, int(ev.start_ns), int(ev.end_ns)) for ev in line.events
-                                if not WRAPPER.search(ev.name))
+                    host.extend(((by_hlo_op and _hlo_op(ev)) or ev.name, int(ev.start_ns), int(ev.end_ns))
+                                for ev in line.events if not WRAPPER.search(ev.name))
     gpus = {name: sorted(events, key=lambda e: e[1]) for name, events in gpus.items() if events}
     return gpus or ({"/host:CPU": sorted(host, key=lambda e: e[1])} if host else {})
+
+
+def kernel_key(name: str) -> str:
+    """A GPU kernel is named after its HLO instruction with "." as "_": the key both are looked up by."""
+    return name.replace(".", "_")
+
+
+def hlo_labels(hlo_text: str, label_of: Callable[[str], str | None]) -> dict[str, str]:
+    """{kernel_key(HLO instruction): label} from a compiled program's text, where `label_of(op_name)` labels an
+    instruction by the op_name of its metadata (the jitted function's path: flax module paths, named scopes,
+    `transpose(jvp(...))` for the backward) or returns None; a fusion or call gets the label most of the
+    instructions of the computation it calls carry."""
+    label, votes, current = {}, collections.defaultdict(collections.Counter), None
+    for line in hlo_text.splitlines():
+        head = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and "=" not in line.split("{")[0]:
+            current = head.group(1)
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name=\"([^\"]*)\"", line)
+        if not m:
+            continue
+        name, op_name = m.groups()
+        got = label_of(op_name)
+        if got:
+            label[kernel_key(name)] = got
+            if current:
+                votes[current][got] += 1
+    for line in hlo_text.splitlines():  # fusions and calls: the label of the computation they call
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?calls=%?([\w.\-]+)", line)
+        if m and kernel_key(m.group(1)) not in label and votes.get(m.group(2)):
+            label[kernel_key(m.group(1))] = votes[m.group(2)].most_common(1)[0][0]
+    return label
+
+
+def time_by_label(events: list[tuple[str, int, int]], labels: dict[str, str], steps: int,
+                  unlabelled: Callable[[str], str] = lambda name: "other") -> dict[str, float]:
+    """Summed kernel ms per step by label (`labels` from `hlo_labels`; `unlabelled(kernel name)` for the rest),
+    largest first."""
+    total = collections.Counter()
+    for name, start, end in events:
+        total[labels.get(kernel_key(name)) or unlabelled(name)] += end - start
+    return {k: round(ns / 1e6 / steps, 3) for k, ns in total.most_common()}
 
 
 def _merge(intervals):

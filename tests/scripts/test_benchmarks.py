@@ -22,12 +22,18 @@ def _run(args, timeout=300):
 def test_bench_update_short(tmp_path):
     out = tmp_path / "bench.jsonl"
     stdout = _run(["scripts/bench_update.py", "--shape", "tiny", "--steps", "2", "--warmup", "1", "--batch", "2",
-                   "--seq-len", "64", "--out", str(out)])
+                   "--seq-len", "64", "--profile", "1", "--out", str(out)])
     assert "SUMMARY tiny" in stdout
     record = json.loads(out.read_text().splitlines()[-1])
     for side in ("ours", "peer"):
         assert record[side]["tokens_per_s"] > 0 and record[side]["step_ms"] > 0
     assert record["ours"]["impl"] == "agentfly_jax" and record["peer"]["impl"] == "transformers+torch"
+    # --profile: the traced step's kernels by part of the update, read from the HLO's op names
+    parts = record["ours"]["profile"]["parts_ms"]
+    for part in ("MLP (forward)", "MLP (backward)", "attention (forward)", "attention (backward)",
+                 "log-probs and loss", "optimizer and metrics"):
+        assert parts.get(part, 0) > 0, (part, parts)
+    assert sum(parts.values()) > parts.get("unlabelled", 0) * 3  # most of the time is attributed
 
 
 @pytest.mark.slow
