@@ -8,7 +8,10 @@
 
 Weak scaling: every device gets --rows-per-device rows of --seq-len tokens, so N devices step on N times the
 tokens of one device (each layout splits the same global batch its own way). A layout's efficiency on N devices
-is its tokens/s over N x the one-device tokens/s of the same invocation. The step is the trainer's own
+is its tokens/s over N x the one-device tokens/s of the same invocation. Every run is timed twice: with the loss
+read back after each step (`step_ms`, `efficiency`) and with the steps back to back (`step_ms_pipelined`,
+`efficiency_pipelined`), as the trainer runs its mini-batches; `--profile N` adds each device's split of a step
+into computation, collectives hidden and exposed, and idle time (`timeline`, scripts/trace_timeline.py). The step is the trainer's own
 (`make_train_step`: PPO policy loss with fp32 log-probabilities, AdamW with global-norm clipping, the state
 donated and kept in its sharding), traced under the trainer's mesh and logical axis rules
 (`models/sharding.py`), on patterned weights (`new_state`) and random tokens; bf16 compute on a GPU, fp32 on the CPU.
