@@ -181,34 +181,27 @@ def test_weight_update_protocol_order(tiny_model):
 _CHUNK = 256 * 1024  # chunks under the fake server's largest request body (1 MiB, aiohttp's default)
 
 
-def test_a_failed_staging_drops_the_staged_chunks_and_never_pauses(tiny_model):
+@pytest.mark.parametrize("failing, last_calls", [
+    (ext.STAGE, ["rpc:" + ext.STAGE, "rpc:" + ext.ABORT]),  # before the pause: dropped, never paused
+    (ext.COMMIT, ["pause", "rpc:" + ext.COMMIT, "rpc:" + ext.ABORT, "resume"]),  # paused: dropped, resumed
+], ids=["staging", "commit"])
+def test_a_failed_weight_update_drops_the_staged_chunks_and_keeps_the_version(tiny_model, failing, last_calls):
+    """A failing STAGE or COMMIT: the update raises naming the server and the call, the staged chunks are dropped,
+    the server is resumed if it was paused (and never paused by a failed staging), and it serves on with the old
+    weights."""
     model, params = tiny_model
 
     async def go(server):
         async with VLLMBackend(server.url, model, max_retries=0, chunk_bytes=_CHUNK) as backend:
-            with pytest.raises(VLLMServerError, match=f"version 4 failed on 1 of 1.*{server.url}.*{ext.STAGE} failed"):
-                await backend.update_weights(params, version=4)
-            after = await backend.generate([1], max_tokens=2)  # the server serves on, with the old weights
-            return server.calls, backend.weight_version, after
-
-    calls, version, (after,) = run(go, {"fail_rpc": ext.STAGE})
-    assert calls[:2] == ["rpc:" + ext.STAGE, "rpc:" + ext.ABORT]
-    assert "pause" not in calls and "resume" not in calls and "rpc:" + ext.COMMIT not in calls
-    assert version == 0 and after.weight_version == 0
-
-
-def test_failed_weight_update_aborts_resumes_and_keeps_the_version(tiny_model):
-    model, params = tiny_model
-
-    async def go(server):
-        async with VLLMBackend(server.url, model, max_retries=0, chunk_bytes=_CHUNK) as backend:
-            with pytest.raises(VLLMServerError, match=f"version 3 failed on 1 of 1.*{server.url}.*{ext.COMMIT} failed"):
+            with pytest.raises(VLLMServerError, match=f"version 3 failed on 1 of 1.*{server.url}.*{failing} failed"):
                 await backend.update_weights(params, version=3)
-            return server.calls, backend.weight_version, dict(backend.stats)
+            after = await backend.generate([1], max_tokens=2)
+            return server.calls, backend.weight_version, dict(backend.stats), after
 
-    calls, version, stats = run(go, {"fail_rpc": ext.COMMIT})
-    assert calls[-4:] == ["pause", "rpc:" + ext.COMMIT, "rpc:" + ext.ABORT, "resume"] and "reset" not in calls
-    assert version == 0 and stats["failed_weight_updates"] == 1
+    calls, version, stats, (after,) = run(go, {"fail_rpc": failing})
+    assert calls[-len(last_calls):] == last_calls and "reset" not in calls
+    assert calls.count("pause") == (failing == ext.COMMIT)
+    assert version == 0 and after.weight_version == 0 and stats["failed_weight_updates"] == 1
 
 
 def test_update_weights_needs_the_model():
