@@ -278,19 +278,21 @@ def run_worker(args) -> dict:
 
 def _profile_steps(compiled, state, rows, steps: int) -> dict:
     """`steps` more update steps under `jax.profiler`, read back into a per-device breakdown of the step's time
-    (scripts/trace_timeline.py: computation, collectives hidden behind it, collectives exposed, idle)."""
+    (scripts/trace_timeline.py: computation, collectives hidden behind it, collectives exposed, idle), the
+    exposed collectives also by the part of the model they belong to (`exposed_by_label`)."""
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from trace_timeline import summarise_trace
+    from trace_timeline import hlo_labels, summarise_trace, update_part
 
+    labels = hlo_labels(compiled.as_text(), update_part)  # the exposed collectives by part of the model
     trace_dir = tempfile.mkdtemp(prefix="bench-scaling-trace-")
     try:
         with jax.profiler.trace(trace_dir):
             for _ in range(steps):
                 state, metrics = compiled(state, rows)
             jax.block_until_ready(metrics["policy/loss"])
-        return summarise_trace(trace_dir, steps)
+        return summarise_trace(trace_dir, steps, labels=labels)
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
 

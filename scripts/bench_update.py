@@ -141,11 +141,6 @@ def run_jax(args) -> dict:
             **_summary(args, times), **({"profile": profile} if profile else {})}
 
 
-# --profile: an HLO instruction's part of the model, from the op_name of its metadata (flax module paths,
-# `transpose(jvp(...))` in the backward); the first pattern that matches names it
-_MODEL_PARTS = (("q/k/v projections", r"/(q_proj|k_proj|v_proj)(/|$)"), ("o_proj", r"/o_proj(/|$)"),
-                ("MLP", r"/mlp(/|$)"), ("attention", r"/self_attn(/|$)"), ("norms", r"layernorm|/norm(/|$)"),
-                ("embedding lookup", r"\.embed(/|$)|/embed_tokens"), ("lm_head", r"attend|lm_head|logits_from_hidden"))
 # kernels by their own (library or fusion) name: what kind of work
 _KERNEL_KINDS = (("collectives", r"nccl|all-reduce|all_reduce|all-gather|all_gather|reduce-scatter"),
                  ("GEMM", r"gemm|cublas|nvjet|xmma|cutlass|matmul|dot"),
@@ -153,21 +148,9 @@ _KERNEL_KINDS = (("collectives", r"nccl|all-reduce|all_reduce|all-gather|all_gat
                  ("copies", r"copy|transpose|memcpy|memset|concatenate|dynamic_slice|dynamic-update"))
 
 
-def update_part(op_name: str) -> str:
-    """The part of the update step an HLO instruction belongs to, e.g. 'MLP (backward)', 'log-probs and loss',
-    'optimizer and metrics'."""
-    import re
-
-    if "CausalLM" in op_name or "model.attend" in op_name:
-        part = next((name for name, pattern in _MODEL_PARTS if re.search(pattern, op_name)), "model, other")
-        return f"{part} ({'backward' if 'transpose(' in op_name else 'forward'})"
-    if "/while/" in op_name or "closed_call" in op_name or "log_softmax" in op_name:
-        return "log-probs and loss"  # the micro-batch loop's own ops outside the model
-    return "optimizer and metrics"
-
-
 def _profile(one, hlo_text: str, calls: int) -> dict:
-    """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update (`update_part`),
+    """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update
+    (trace_timeline.update_part),
     by kind of kernel, and the timeline's split into computation and idle (scripts/trace_timeline.py)."""
     import re
     import shutil
@@ -176,7 +159,7 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from trace_timeline import breakdown, device_timelines, hlo_labels, kernel_key, time_by_label
+    from trace_timeline import breakdown, device_timelines, hlo_labels, kernel_key, time_by_label, update_part
 
     trace_dir = tempfile.mkdtemp(prefix="bench-update-trace-")
     try:

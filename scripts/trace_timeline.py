@@ -100,6 +100,24 @@ def hlo_labels(hlo_text: str, label_of: Callable[[str], str | None]) -> dict[str
     return label
 
 
+# The parts of the trainer's update step, from an HLO instruction's op_name (flax module paths; in the backward
+# `transpose(jvp(...))`); the first pattern that matches names it
+_MODEL_PARTS = (("q/k/v projections", r"/(q_proj|k_proj|v_proj)(/|$)"), ("o_proj", r"/o_proj(/|$)"),
+                ("MLP", r"/mlp(/|$)"), ("attention", r"/self_attn(/|$)"), ("norms", r"layernorm|/norm(/|$)"),
+                ("embedding lookup", r"\.embed(/|$)|/embed_tokens"), ("lm_head", r"attend|lm_head|logits_from_hidden"))
+
+
+def update_part(op_name: str) -> str:
+    """The part of the trainer's update step an HLO instruction belongs to (a `label_of` for `hlo_labels`), e.g.
+    'MLP (backward)', 'log-probs and loss', 'optimizer and metrics'."""
+    if "CausalLM" in op_name or "model.attend" in op_name:
+        part = next((name for name, pattern in _MODEL_PARTS if re.search(pattern, op_name)), "model, other")
+        return f"{part} ({'backward' if 'transpose(' in op_name else 'forward'})"
+    if "/while/" in op_name or "closed_call" in op_name or "log_softmax" in op_name:
+        return "log-probs and loss"  # the micro-batch loop's own ops outside the model
+    return "optimizer and metrics"
+
+
 def time_by_label(events: list[tuple[str, int, int]], labels: dict[str, str], steps: int,
                   unlabelled: Callable[[str], str] = lambda name: "other") -> dict[str, float]:
     """Summed kernel ms per step by label (`labels` from `hlo_labels`; `unlabelled(kernel name)` for the rest),
@@ -141,9 +159,11 @@ def _minus(a, b) -> int:
     return out
 
 
-def breakdown(events: list[tuple[str, int, int]], steps: int, top: int = 8) -> dict:
+def breakdown(events: list[tuple[str, int, int]], steps: int, top: int = 8, labels: dict[str, str] | None = None
+              ) -> dict:
     """Per-step milliseconds of one device's timeline (see the module's docstring), and the collectives with the
-    most exposed time."""
+    most exposed time; with `labels` (`hlo_labels` of the program, events named by HLO op) also the exposed time
+    by label, e.g. the part of the model whose collective it was."""
     if not events:
         raise ValueError("no device events in the trace")
     if steps < 1:
@@ -161,16 +181,25 @@ def breakdown(events: list[tuple[str, int, int]], steps: int, top: int = 8) -> d
     def ms(ns):
         return round(ns / 1e6 / steps, 3)
 
-    return {"span_ms": ms(span), "compute_ms": ms(_length(work_m)), "collective_ms": ms(_length(comm_m)),
-            "exposed_collective_ms": ms(_minus(comm_m, work_m)), "idle_ms": ms(span - busy),
-            "collective_launches": round(len(comm) / steps, 1),
-            "top_exposed": [{"op": name[:100], "ms": ms(ns)} for name, ns in
-                            sorted(exposed_by_op.items(), key=lambda kv: -kv[1])[:top] if ns > 0]}
+    out = {"span_ms": ms(span), "compute_ms": ms(_length(work_m)), "collective_ms": ms(_length(comm_m)),
+           "exposed_collective_ms": ms(_minus(comm_m, work_m)), "idle_ms": ms(span - busy),
+           "collective_launches": round(len(comm) / steps, 1),
+           "top_exposed": [{"op": name[:100], "ms": ms(ns), **({"label": labels.get(kernel_key(name))}
+                                                                 if labels is not None else {})}
+                           for name, ns in sorted(exposed_by_op.items(), key=lambda kv: -kv[1])[:top] if ns > 0]}
+    if labels is not None:
+        by_label = collections.Counter()
+        for name, ns in exposed_by_op.items():
+            by_label[labels.get(kernel_key(name)) or "unlabelled"] += ns
+        out["exposed_by_label"] = {k: ms(ns) for k, ns in by_label.most_common() if ms(ns) > 0}
+    return out
 
 
-def summarise_trace(trace_dir: str, steps: int, top: int = 8) -> dict:
-    """{device: breakdown} for every device of the trace, plus the mean over devices of each number."""
-    per_device = {name: breakdown(events, steps, top) for name, events in device_timelines(trace_dir).items()}
+def summarise_trace(trace_dir: str, steps: int, top: int = 8, labels: dict[str, str] | None = None) -> dict:
+    """{device: breakdown} for every device of the trace, plus the mean over devices of each number. With
+    `labels` (see `breakdown`) events are named by the HLO op that launched them."""
+    timelines = device_timelines(trace_dir, by_hlo_op=labels is not None)
+    per_device = {name: breakdown(events, steps, top, labels) for name, events in timelines.items()}
     if not per_device:
         raise RuntimeError(f"the trace under {trace_dir} holds no device events")
     keys = ("span_ms", "compute_ms", "collective_ms", "exposed_collective_ms", "idle_ms")

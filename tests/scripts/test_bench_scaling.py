@@ -62,6 +62,11 @@ def test_bench_scaling_short(tmp_path):
         assert t["compute_ms"] > 0 and t["span_ms"] >= t["compute_ms"] and t["idle_ms"] >= 0
         assert 0 <= t["exposed_collective_ms"] <= t["collective_ms"]
     assert single["timeline"]["mean"]["collective_ms"] == 0 and sharded["timeline"]["mean"]["collective_ms"] > 0
+    parts = re.compile(r".+ \((forward|backward)\)$|log-probs and loss|optimizer and metrics")
+    for device in sharded["timeline"]["devices"].values():  # exposed collectives named by the model's part
+        labels = set(device["exposed_by_label"]) | {e["label"] for e in device["top_exposed"]}
+        named = {label for label in labels if label not in (None, "unlabelled")}
+        assert named and all(parts.fullmatch(label) for label in named), labels
     assert "| shape | layout | devices | processes | span ms | computation | collectives | exposed | idle |" in proc.stdout
     assert "SUMMARY weak scaling, 1 x 16 tokens per device, cpu" in proc.stdout
     assert "| tiny | fsdp_tensor | 4 | 1 |" in proc.stdout
