@@ -11,6 +11,10 @@ per step: the span (first op's start to last op's end, divided by the steps), co
 busy time, the collective time no computation overlaps, and the time nothing ran. `bench_scaling.py --profile N`
 runs it on N update steps of every layout, so the multi-device rows compare directly with the one-device row.
 
+Kernels can also be named after the HLO instruction that launched them (the trace's `hlo_op` stat) and labelled
+from the compiled program's op names (`hlo_labels`; `update_part` names the parts of the trainer's update step,
+e.g. "MLP (backward)"): bench_scaling reports the exposed collectives by part, bench_update --profile the time.
+
 On a CPU (fake devices) the host's XLA op events stand in for device streams: they carry no stream per device,
 so the CPU breakdown is one timeline of the whole host, useful only to check that the tool runs.
 """
