@@ -501,8 +501,11 @@ def jax_heartbeat_timeout(heartbeat_timeout: float) -> int:
     return int(3 * heartbeat_timeout + 60)
 
 
-#: how long process 0 stays after the others said they are exiting on a failure (Watchdog.exiting)
-EXIT_LINGER_S = 2.0
+#: how long a process ending on a failure waits for the store to confirm that it said so (Watchdog.exiting)
+EXITED_WAIT_S = 1.0
+#: how long process 0 stays after the others said they are exiting on a failure: longer than each of them may
+#: still wait for that confirmation before it exits
+EXIT_LINGER_S = EXITED_WAIT_S + 2.0
 
 
 class Watchdog:
@@ -649,8 +652,9 @@ class Watchdog:
         self.failed_here = True
         self._publish("failed", reason[:500])
 
-    def _publish(self, kind: str, value: str) -> None:
-        """Sets `kind`/<this process> in the store; bounded (a frozen coordinator would hold the call)."""
+    def _publish(self, kind: str, value: str, wait: float | None = None) -> None:
+        """Sets `kind`/<this process> in the store; waits at most `wait` s (default min(5, timeout)) for the
+        store's answer (a frozen coordinator would hold the call)."""
         done = threading.Event()
 
         def publish():
@@ -661,16 +665,17 @@ class Watchdog:
             done.set()
 
         threading.Thread(target=publish, name=f"agentfly-watchdog-{kind}", daemon=True).start()
-        done.wait(min(5.0, self.timeout))
+        done.wait(min(5.0, self.timeout) if wait is None else wait)
 
     def exiting(self) -> None:
         """This process ends on a failure, its cleanup done. Process 0 then waits (at most `grace` s) until every
         other process that is not lost ends too: its coordinator going away would make JAX abort them at once,
-        in the middle of their own cleanup. A process says so just before its exit; process 0 then stays
-        `EXIT_LINGER_S` longer, so that the others' last steps (flushing logs, `os._exit`) are not cut short by
-        the coordinator's end (seen: a process aborted by JAX right after it said it was ending, on a loaded
-        machine)."""
-        self._publish("exited", "1")
+        in the middle of their own cleanup. A process says so as its last step, waiting at most EXITED_WAIT_S
+        for the store's answer; process 0 then stays EXIT_LINGER_S longer, so that the others' last steps are
+        not cut short by the coordinator's end. (Seen twice on a loaded machine when process 0 stayed 2 s and
+        the others waited up to 5 s for that answer: a process aborted by JAX; the likeliest cause, an answer
+        that came late to a process whose word process 0 had already read.)"""
+        self._publish("exited", "1", wait=EXITED_WAIT_S)
         if self.me == 0:
             deadline = time.monotonic() + self.grace
             while time.monotonic() < deadline:
@@ -680,7 +685,7 @@ class Watchdog:
                     exited = bool(self._exited)
                 if not waiting:
                     if exited:
-                        time.sleep(min(EXIT_LINGER_S, max(deadline - time.monotonic(), 0.0)))
+                        time.sleep(EXIT_LINGER_S)
                     break
                 time.sleep(self.interval / 2)
         self.close()
@@ -863,8 +868,8 @@ def _at_exit() -> None:
     if dog.failure is not None or dog.failed_here:
         end_child_processes()  # whatever the run's own cleanup did not close (it may not have run at all)
         # Output flushed before saying so: once this process has said it ends, process 0 stays only
-        # EXIT_LINGER_S, after which its coordinator's end makes JAX abort whoever is still running (seen on a
-        # loaded machine: a process aborted by JAX after it had said it was ending); saying it is the last step.
+        # EXIT_LINGER_S, after which its coordinator's end makes JAX abort whoever is still running; saying it
+        # is the last step.
         try:
             _flush_output()
         finally:
