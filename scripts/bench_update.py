@@ -150,8 +150,7 @@ _KERNEL_KINDS = (("collectives", r"nccl|all-reduce|all_reduce|all-gather|all_gat
 
 def _profile(one, hlo_text: str, calls: int) -> dict:
     """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update
-    (trace_timeline.update_part),
-    by kind of kernel, and the timeline's split into computation and idle (scripts/trace_timeline.py)."""
+    (trace_timeline.update_part), by kind of kernel, and the time between kernels (idle)."""
     import re
     import shutil
     import tempfile
@@ -174,7 +173,8 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     kinds = {kernel_key(name): next((k for k, pat in _KERNEL_KINDS if re.search(pat, name.lower())), "other kernels")
              for name, _, _ in by_kernel}
     timeline = breakdown(by_kernel, calls)
-    return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"], "parts_ms": time_by_label(by_op, labels, calls, lambda name: "unlabelled"),
+    return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"],
+            "parts_ms": time_by_label(by_op, labels, calls, lambda name: "unlabelled"),
             "kinds_ms": time_by_label(by_kernel, kinds, calls)}
 
 
