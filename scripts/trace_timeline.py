@@ -32,7 +32,7 @@ from typing import Callable
 COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|collective[-_]?permute|"
                         r"all[-_]?to[-_]?all|sendrecv|send[-_]recv")
 # events that are not work: the CPU runtime's wrappers around the ops they run
-WRAPPER = re.compile(r"^ThunkExecutor|^ExecuteHelper|^PjRt|^Execute$")
+WRAPPER = re.compile(r"^ThunkExecutor|^ExecuteHelper|^PjRt|^Execute$|^SlinkyThreadPool")
 
 
 def _hlo_op(event) -> str | None:

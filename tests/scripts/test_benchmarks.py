@@ -33,7 +33,6 @@ def test_bench_update_short(tmp_path):
     for part in ("MLP (forward)", "MLP (backward)", "attention (forward)", "attention (backward)",
                  "log-probs and loss", "optimizer and metrics"):
         assert parts.get(part, 0) > 0, (part, parts)
-    assert sum(parts.values()) > parts.get("unlabelled", 0) * 3  # most of the time is attributed
 
 
 @pytest.mark.slow
