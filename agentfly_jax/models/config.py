@@ -183,8 +183,8 @@ class ModelConfig:
     # Each decoder layer runs on this many independent groups of the batch's rows (the same weights), so that
     # one group's tensor-parallel collectives can run while another group's matrix products do: under tensor
     # parallelism each all-reduce otherwise waits for the product before it and holds up the one after it. The
-    # groups take every N-th row, so each device splits its own rows. 1: off. A batch whose rows N does not
-    # divide runs whole (the result is the same either way).
+    # groups take every N-th row, so each device splits its own rows (moving none, where they divide by N).
+    # 1: off. A batch whose rows N does not divide runs whole (the result is the same either way).
     layer_row_splits: int = 1
     # "auto": cuDNN fused attention on GPU in bf16/fp16, else "xla" (einsum, fp32 softmax, exact in fp32)
     attention_impl: str = "auto"
