@@ -142,8 +142,7 @@ def run_jax(args) -> dict:
 
 
 # kernels by their own (library or fusion) name: what kind of work
-_KERNEL_KINDS = (("collectives", r"nccl|all-reduce|all_reduce|all-gather|all_gather|reduce-scatter"),
-                 ("GEMM", r"gemm|cublas|nvjet|xmma|cutlass|matmul|dot"),
+_KERNEL_KINDS = (("GEMM", r"gemm|cublas|nvjet|xmma|cutlass|matmul|dot"),
                  ("attention kernels", r"cudnn|flash|fmha|attention"),
                  ("copies", r"copy|transpose|memcpy|memset|concatenate|dynamic_slice|dynamic-update"))
 
@@ -158,7 +157,8 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from trace_timeline import breakdown, device_timelines, hlo_labels, kernel_key, time_by_label, update_part
+    from trace_timeline import (COLLECTIVE, breakdown, device_timelines, hlo_labels, kernel_key, time_by_label,
+                                update_part)
 
     trace_dir = tempfile.mkdtemp(prefix="bench-update-trace-")
     try:
@@ -170,11 +170,15 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
     labels = hlo_labels(hlo_text, update_part)
-    kinds = {kernel_key(name): next((k for k, pat in _KERNEL_KINDS if re.search(pat, name.lower())), "other kernels")
-             for name, _, _ in by_kernel}
+    def kind(name):  # collectives as the timeline counts them
+        if COLLECTIVE.search(name.lower()):
+            return "collectives"
+        return next((k for k, pattern in _KERNEL_KINDS if re.search(pattern, name.lower())), "other kernels")
+
+    kinds = {kernel_key(name): kind(name) for name, _, _ in by_kernel}
     timeline = breakdown(by_kernel, calls)
     return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"],
-            "parts_ms": time_by_label(by_op, labels, calls, lambda name: "unlabelled"),
+            "parts_ms": time_by_label(by_op, labels, calls),
             "kinds_ms": time_by_label(by_kernel, kinds, calls)}
 
 

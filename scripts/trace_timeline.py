@@ -122,13 +122,12 @@ def update_part(op_name: str) -> str:
     return "optimizer and metrics"
 
 
-def time_by_label(events: list[tuple[str, int, int]], labels: dict[str, str], steps: int,
-                  unlabelled: Callable[[str], str] = lambda name: "other") -> dict[str, float]:
-    """Summed kernel ms per step by label (`labels` from `hlo_labels`; `unlabelled(kernel name)` for the rest),
-    largest first."""
+def time_by_label(events: list[tuple[str, int, int]], labels: dict[str, str], steps: int) -> dict[str, float]:
+    """Summed kernel ms per step by label (`labels` from `hlo_labels`, keyed by `kernel_key`; "unlabelled" for
+    the rest), largest first."""
     total = collections.Counter()
     for name, start, end in events:
-        total[labels.get(kernel_key(name)) or unlabelled(name)] += end - start
+        total[labels.get(kernel_key(name)) or "unlabelled"] += end - start
     return {k: round(ns / 1e6 / steps, 3) for k, ns in total.most_common()}
 
 

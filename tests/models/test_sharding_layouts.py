@@ -26,6 +26,7 @@ from agentfly_jax.models import sharding as shd
 from agentfly_jax.models.transformer import init_params_shapes, kv_repeats
 from agentfly_jax.trainer import (OptimizerConfig, create_train_state, make_optimizer, make_train_step, pack_step,
                                   state_shardings, take_minibatch)
+from tests.script_modules import load_script
 
 REMAT = "involuntary full rematerialization"
 # Dimensions chosen so that no parameter has the sequence length T (or T - 1, the log-probabilities' length) or
@@ -394,12 +395,6 @@ def test_reshard_constrains_the_value_one_way_and_its_gradient_the_other():
     np.testing.assert_array_equal(np.asarray(grad), np.full(x.shape, 3.0, np.float32))
 
 
-def _bench_scaling():
-    from tests.script_modules import load_script
-
-    return load_script("bench_scaling")
-
-
 @pytest.mark.parametrize("axes", [{"data": 2}, {"data": 4, "fsdp": 2}, {"data": 2, "tensor": 4}],
                          ids=["data2", "data4xfsdp2", "data2xtensor4"])
 def test_gradient_accumulation_reduces_over_data_once_after_the_loop(capfd, axes):
@@ -407,7 +402,7 @@ def test_gradient_accumulation_reduces_over_data_once_after_the_loop(capfd, axes
     all-reduced over `data` once, after it (trainer/update.py `accumulate_gradients`): left to the partitioner,
     the accumulator took the parameters' layout and every micro-batch's gradients were all-reduced in the loop
     (on this compiler, 4 all-reduces per iteration under data=2)."""
-    bench = _bench_scaling()
+    bench = load_script("bench_scaling")
     capfd.readouterr()
     hlo, _ = _compile_update(axes, micro_batches=4)
     assert REMAT not in capfd.readouterr().err.lower()
