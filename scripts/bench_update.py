@@ -149,7 +149,9 @@ _KERNEL_KINDS = (("GEMM", r"gemm|cublas|nvjet|xmma|cutlass|matmul|dot"),
 
 def _profile(one, hlo_text: str, calls: int) -> dict:
     """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update
-    (trace_timeline.update_part), by kind of kernel, and the time between kernels (idle)."""
+    (trace_timeline.update_part), by kind of kernel, the time between kernels (idle), and the largest names
+    left unlabelled (`unlabelled_top`: HLO ops the program's text does not label, or kernels the trace names
+    only by themselves)."""
     import re
     import shutil
     import tempfile
@@ -157,7 +159,7 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from trace_timeline import (COLLECTIVE, breakdown, device_timelines, hlo_labels, kernel_key, time_by_label,
+    from trace_timeline import (COLLECTIVE, breakdown, device_events, hlo_labels, kernel_key, named, time_by_label,
                                 update_part)
 
     trace_dir = tempfile.mkdtemp(prefix="bench-update-trace-")
@@ -165,11 +167,12 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
         with jax.profiler.trace(trace_dir):
             for _ in range(calls):
                 one()
-        by_op = next(iter(device_timelines(trace_dir, by_hlo_op=True).values()))
-        by_kernel = next(iter(device_timelines(trace_dir).values()))
+        events = next(iter(device_events(trace_dir).values()))
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
     labels = hlo_labels(hlo_text, update_part)
+    by_op, by_kernel = named(events, labels), named(events)
+
     def kind(name):  # collectives as the timeline counts them
         if COLLECTIVE.search(name.lower()):
             return "collectives"
@@ -177,9 +180,13 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
 
     kinds = {kernel_key(name): kind(name) for name, _, _ in by_kernel}
     timeline = breakdown(by_kernel, calls)
-    return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"],
-            "parts_ms": time_by_label(by_op, labels, calls),
-            "kinds_ms": time_by_label(by_kernel, kinds, calls)}
+    parts = time_by_label(by_op, labels, calls)
+    # what stayed unlabelled, by name: says whether the trace's names or the program's op names are missing
+    unlabelled = time_by_label([e for e in by_op if kernel_key(e[0]) not in labels],
+                               {kernel_key(n): n[:80] for n, _, _ in by_op}, calls)
+    return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"], "parts_ms": parts,
+            "kinds_ms": time_by_label(by_kernel, kinds, calls),
+            "unlabelled_top": dict(list(unlabelled.items())[:12])}
 
 
 def _time_optimizers(args, params, trainable) -> dict:

@@ -42,11 +42,12 @@ def _hlo_op(event) -> str | None:
     return None
 
 
-def device_timelines(trace_dir: str, by_hlo_op: bool = False) -> dict[str, list[tuple[str, int, int]]]:
-    """{device plane name: [(op name, start ns, end ns), ...]} from the newest `.xplane.pb` under `trace_dir`:
-    every op on every stream line of each GPU; on a CPU, the host's XLA op lines as one 'device'. With
-    `by_hlo_op` an event is named by the HLO instruction that launched it where the trace says (its `hlo_op`
-    stat: a cuBLAS or cuDNN kernel has a library name of its own), else by its kernel name."""
+def device_events(trace_dir: str) -> dict[str, list[tuple[str, str | None, int, int]]]:
+    """{device plane name: [(kernel name, hlo_op or None, start ns, end ns), ...]} from the newest `.xplane.pb`
+    under `trace_dir`, by start: every op on every stream line of each GPU; on a CPU, the host's XLA op lines as
+    one 'device'. `hlo_op` is the trace's name for the HLO instruction that launched the kernel, where it gives
+    one (a cuBLAS or cuDNN kernel has a library name of its own; a fusion's kernel is named after its
+    instruction)."""
     from jax.profiler import ProfileData
 
     paths = [os.path.join(root, f) for root, _, files in os.walk(trace_dir) for f in files
@@ -61,15 +62,30 @@ def device_timelines(trace_dir: str, by_hlo_op: bool = False) -> dict[str, list[
             for line in plane.lines:
                 # one line per stream holds the kernels; "XLA Ops" / "XLA Modules" repeat them: skip those
                 if "Stream" in line.name:
-                    events.extend(((by_hlo_op and _hlo_op(ev)) or ev.name, int(ev.start_ns), int(ev.end_ns))
-                                  for ev in line.events)
+                    events.extend((ev.name, _hlo_op(ev), int(ev.start_ns), int(ev.end_ns)) for ev in line.events)
         elif plane.name.startswith("/host:CPU"):
             for line in plane.lines:
                 if "XLA" in line.name or "TFRT" in line.name or "tf_XLA" in line.name:
-                    host.extend(((by_hlo_op and _hlo_op(ev)) or ev.name, int(ev.start_ns), int(ev.end_ns))
+                    host.extend((ev.name, _hlo_op(ev), int(ev.start_ns), int(ev.end_ns))
                                 for ev in line.events if not WRAPPER.search(ev.name))
-    gpus = {name: sorted(events, key=lambda e: e[1]) for name, events in gpus.items() if events}
-    return gpus or ({"/host:CPU": sorted(host, key=lambda e: e[1])} if host else {})
+    gpus = {name: sorted(events, key=lambda e: e[2]) for name, events in gpus.items() if events}
+    return gpus or ({"/host:CPU": sorted(host, key=lambda e: e[2])} if host else {})
+
+
+def named(events, labels: dict[str, str] | None = None) -> list[tuple[str, int, int]]:
+    """[(name, start, end)] of `device_events`' events: named by their kernel, or, with `labels` (keyed by
+    `kernel_key`, from `hlo_labels`), by whichever of their HLO op and kernel name the labels know (the HLO op
+    first), else by the HLO op where the trace gives one. Both are needed: library kernels are known by their
+    HLO op only, and a trace may give one HLO op for many kernels (a command buffer replaying its kernels)."""
+    if labels is None:
+        return [(kernel, start, end) for kernel, _, start, end in events]
+    return [(next((n for n in (op, kernel) if n and kernel_key(n) in labels), op or kernel), start, end)
+            for kernel, op, start, end in events]
+
+
+def device_timelines(trace_dir: str, labels: dict[str, str] | None = None) -> dict[str, list[tuple[str, int, int]]]:
+    """{device plane name: [(op name, start ns, end ns), ...]}: `device_events` named by `named`."""
+    return {plane: named(events, labels) for plane, events in device_events(trace_dir).items()}
 
 
 def kernel_key(name: str) -> str:
@@ -200,8 +216,8 @@ def breakdown(events: list[tuple[str, int, int]], steps: int, top: int = 8, labe
 
 def summarise_trace(trace_dir: str, steps: int, top: int = 8, labels: dict[str, str] | None = None) -> dict:
     """{device: breakdown} for every device of the trace, plus the mean over devices of each number. With
-    `labels` (see `breakdown`) events are named by the HLO op that launched them."""
-    timelines = device_timelines(trace_dir, by_hlo_op=labels is not None)
+    `labels` (see `breakdown`) events are named as `named` says."""
+    timelines = device_timelines(trace_dir, labels)
     per_device = {name: breakdown(events, steps, top, labels) for name, events in timelines.items()}
     if not per_device:
         raise RuntimeError(f"the trace under {trace_dir} holds no device events")

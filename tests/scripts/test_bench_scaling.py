@@ -200,3 +200,22 @@ def test_trace_timeline_breakdown_against_a_per_nanosecond_count():
         assert exposed >= got["exposed_collective_ms"] - 1e-3 * len(got["top_exposed"]) or len(got["top_exposed"]) == 8
     with pytest.raises(ValueError, match="no device events"):
         timeline.breakdown([], 1)
+
+
+def test_trace_events_are_named_by_whichever_name_the_program_labels():
+    """A kernel is labelled by the HLO op the trace gives it when the program's text knows that op (a cuBLAS kernel
+    has a library name of its own), else by its kernel name (a fusion's kernel is named after its instruction; a
+    trace may give one HLO op for all the kernels a command buffer replays); neither known: the HLO op."""
+    timeline = load_script("trace_timeline")
+    labels = {"custom-call_5": "MLP (forward)", "loop_add_fusion_2": "norms (forward)"}
+    events = [("nvjet_tst_128x256", "custom-call.5", 0, 10),        # library kernel: its HLO op
+              ("loop_add_fusion_2", "command_buffer.1", 10, 20),    # a command buffer's name: the kernel's own
+              ("loop_add_fusion_2", None, 20, 30),                  # no HLO op in the trace
+              ("input_reduce_fusion", "fusion.9", 30, 40),          # neither labelled: the HLO op
+              ("memset32", None, 40, 45)]
+    assert timeline.named(events, labels) == [("custom-call.5", 0, 10), ("loop_add_fusion_2", 10, 20),
+                                              ("loop_add_fusion_2", 20, 30), ("fusion.9", 30, 40),
+                                              ("memset32", 40, 45)]
+    assert [n for n, _, _ in timeline.named(events)] == [e[0] for e in events]
+    assert timeline.time_by_label(timeline.named(events, labels), labels, 1e-6) == {  # ns as ms: 1e-6 "steps"
+        "norms (forward)": 20, "unlabelled": 15, "MLP (forward)": 10}

@@ -33,6 +33,7 @@ def test_bench_update_short(tmp_path):
     for part in ("MLP (forward)", "MLP (backward)", "attention (forward)", "attention (backward)",
                  "log-probs and loss", "optimizer and metrics"):
         assert parts.get(part, 0) > 0, (part, parts)
+    assert sum(record["ours"]["profile"]["unlabelled_top"].values()) <= parts.get("unlabelled", 0) + 1e-3
 
 
 @pytest.mark.slow
