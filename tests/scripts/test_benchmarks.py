@@ -34,6 +34,7 @@ def test_bench_update_short(tmp_path):
                  "log-probs and loss", "optimizer and metrics"):
         assert parts.get(part, 0) > 0, (part, parts)
     assert sum(record["ours"]["profile"]["unlabelled_top"].values()) <= parts.get("unlabelled", 0) + 1e-3
+    assert "--xla_gpu_enable_command_buffer=" in record["ours"]["xla_flags"]  # kernels named one by one on a GPU
 
 
 @pytest.mark.slow
