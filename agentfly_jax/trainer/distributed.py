@@ -677,17 +677,25 @@ class Watchdog:
         that came late to a process whose word process 0 had already read.)"""
         self._publish("exited", "1", wait=EXITED_WAIT_S)
         if self.me == 0:
-            deadline = time.monotonic() + self.grace
-            while time.monotonic() < deadline:
+            start = time.monotonic()
+            waiting = set(self._beats)
+            while time.monotonic() - start < self.grace:
                 with self._lock:
                     lost = {i for i, (_, t) in self._beats.items() if self._contact - t > self.timeout}
                     waiting = set(self._beats) - lost - self._exited - self._done
-                    exited = bool(self._exited)
+                    exited = sorted(self._exited)
                 if not waiting:
+                    log.info("process 0 ends on a failure: %d s after it said so, processes %s had ended too (%s "
+                             "lost); it stays %.0f s more", time.monotonic() - start, exited, sorted(lost) or "none",
+                             EXIT_LINGER_S if exited else 0)
                     if exited:
                         time.sleep(EXIT_LINGER_S)
                     break
                 time.sleep(self.interval / 2)
+            if waiting:
+                log.warning("process 0 ends on a failure while processes %s still run %.0f s after it said so "
+                            "(config.distributed.heartbeat_timeout): its coordinator's end makes JAX abort them",
+                            sorted(waiting), self.grace)
         self.close()
 
     def finish(self) -> None:

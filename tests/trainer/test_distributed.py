@@ -426,7 +426,7 @@ def _running(pid: int) -> bool:
 
 _HUNG = """
 import logging, sys, time
-logging.basicConfig(level=logging.INFO)
+logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(levelname)s %(name)s: %(message)s")
 from experiments import quickstart
 from agentfly_jax.trainer import distributed
 from agentfly_jax.trainer.config import TrainConfig
