@@ -644,6 +644,8 @@ class Watchdog:
         helper.start()
         helper.join(EMERGENCY_CLEANUP_S)
         end_child_processes()
+        _flush_output()
+        self._publish("exited", "1", wait=EXITED_WAIT_S)  # process 0 need not wait out its own grace for this one
         _exit(1)
 
     # ------------------------------------------------------------------------------------ the main thread's
@@ -668,26 +670,29 @@ class Watchdog:
         done.wait(min(5.0, self.timeout) if wait is None else wait)
 
     def exiting(self) -> None:
-        """This process ends on a failure, its cleanup done. Process 0 then waits (at most `grace` s) until every
-        other process that is not lost ends too: its coordinator going away would make JAX abort them at once,
-        in the middle of their own cleanup. A process says so as its last step, waiting at most EXITED_WAIT_S
+        """This process ends on a failure, its cleanup done. Process 0 then waits until every other process that
+        is not lost ends too (at most as long as another can still run: its `grace` after it learns of the failure,
+        when its own watchdog ends it, which says so too): its coordinator going away would make JAX abort them
+        at once, in the middle of their own cleanup. A process says so as its last step, waiting at most EXITED_WAIT_S
         for the store's answer; process 0 then stays EXIT_LINGER_S longer, so that the others' last steps are
         not cut short by the coordinator's end. (Seen twice on a loaded machine when process 0 stayed 2 s and
         the others waited up to 5 s for that answer: a process aborted by JAX; the likeliest cause, an answer
         that came late to a process whose word process 0 had already read.)"""
         self._publish("exited", "1", wait=EXITED_WAIT_S)
         if self.me == 0:
-            start = time.monotonic()
+            # as long as any other process can still run: each learns of the failure within about two heartbeats
+            # and is ended by its own watchdog `grace` s after that (`_end_now`) if it has not ended by itself
+            start, wait_s = time.monotonic(), self.grace + 2 * self.interval + EXIT_LINGER_S
             waiting = set(self._beats)
-            while time.monotonic() - start < self.grace:
+            while time.monotonic() - start < wait_s:
                 with self._lock:
                     lost = {i for i, (_, t) in self._beats.items() if self._contact - t > self.timeout}
                     waiting = set(self._beats) - lost - self._exited - self._done
                     exited = sorted(self._exited)
                 if not waiting:
-                    log.info("process 0 ends on a failure: %d s after it said so, processes %s had ended too (%s "
-                             "lost); it stays %.0f s more", time.monotonic() - start, exited, sorted(lost) or "none",
-                             EXIT_LINGER_S if exited else 0)
+                    log.debug("process 0 ends on a failure: %.1f s after it said so, processes %s had ended too "
+                              "(%s lost); it stays %.0f s more", time.monotonic() - start, exited,
+                              sorted(lost) or "none", EXIT_LINGER_S if exited else 0)
                     if exited:
                         time.sleep(EXIT_LINGER_S)
                     break
@@ -695,7 +700,7 @@ class Watchdog:
             if waiting:
                 log.warning("process 0 ends on a failure while processes %s still run %.0f s after it said so "
                             "(config.distributed.heartbeat_timeout): its coordinator's end makes JAX abort them",
-                            sorted(waiting), self.grace)
+                            sorted(waiting), wait_s)
         self.close()
 
     def finish(self) -> None:
@@ -874,6 +879,7 @@ def _at_exit() -> None:
     if uncaught is not None and dog.failure is None and not dog.failed_here:
         stopped_by(uncaught)
     if dog.failure is not None or dog.failed_here:
+        log.debug("process %d ends on a failure: its child processes, then its last word to the others", dog.me)
         end_child_processes()  # whatever the run's own cleanup did not close (it may not have run at all)
         # Output flushed before saying so: once this process has said it ends, process 0 stays only
         # EXIT_LINGER_S, after which its coordinator's end makes JAX abort whoever is still running; saying it

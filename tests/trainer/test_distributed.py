@@ -427,6 +427,7 @@ def _running(pid: int) -> bool:
 _HUNG = """
 import logging, sys, time
 logging.basicConfig(level=logging.INFO, format="%(relativeCreated)7.0f ms %(levelname)s %(name)s: %(message)s")
+logging.getLogger("agentfly_jax").setLevel(logging.DEBUG)  # how process 0's wait for the other ended, if it fails
 from experiments import quickstart
 from agentfly_jax.trainer import distributed
 from agentfly_jax.trainer.config import TrainConfig
@@ -457,10 +458,13 @@ def test_a_hung_process_is_named_at_the_exchange_and_told_to_stop():
                             timeout=40)
     assert time.perf_counter() - t0 < 30
     (rc0, _, err0), (rc1, _, err1) = results
-    assert rc0 == 1 and rc1 == 1, err0[-2000:] + err1[-2000:]
-    assert err0.strip().splitlines()[-1].startswith(
+    assert rc0 == 1 and rc1 == 1, f"process 0 ({rc0}):\n{err0[-3000:]}\nprocess 1 ({rc1}):\n{err1[-3000:]}"
+    # each traceback's last line (debug lines of the processes' ends follow it here)
+    error0, error1 = ([line for line in err.splitlines() if line.startswith("agentfly_jax.trainer.distributed.")][-1]
+                      for err in (err0, err1))
+    assert error0.startswith(
         "agentfly_jax.trainer.distributed.DistributedError: process 1 of 2 did not publish its share of exchange 1 "
         "within 2 s (config.distributed.exchange_timeout) although it still sends heartbeats: it hangs"), err0[-2000:]
-    assert err1.strip().splitlines()[-1].startswith(
+    assert error1.startswith(
         "agentfly_jax.trainer.distributed.ProcessLostError: process 0 of 2 failed: DistributedError: process 1 of 2 "
         "did not publish its share of exchange 1 within 2 s"), err1[-2000:]
