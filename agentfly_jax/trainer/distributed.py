@@ -491,7 +491,8 @@ class ExchangeError(DistributedError):
 _WATCH_PREFIX = "agentfly_jax/watch"
 #: The longest the callbacks of `at_emergency_exit` get when the watchdog ends a stuck process.
 EMERGENCY_CLEANUP_S = 15.0
-_watch: dict[str, Any] = {"dog": None, "exchange_timeout": EXCHANGE_TIMEOUT_S, "atexit": False}
+_watch: dict[str, Any] = {"dog": None, "exchange_timeout": EXCHANGE_TIMEOUT_S, "atexit": False,
+                          "interrupt_signal": None}
 
 
 def jax_heartbeat_timeout(heartbeat_timeout: float) -> int:
@@ -675,9 +676,9 @@ class Watchdog:
         when its own watchdog ends it, which says so too): its coordinator going away would make JAX abort them
         at once, in the middle of their own cleanup. A process says so as its last step, waiting at most EXITED_WAIT_S
         for the store's answer; process 0 then stays EXIT_LINGER_S longer, so that the others' last steps are
-        not cut short by the coordinator's end. (Seen twice on a loaded machine when process 0 stayed 2 s and
-        the others waited up to 5 s for that answer: a process aborted by JAX; the likeliest cause, an answer
-        that came late to a process whose word process 0 had already read.)"""
+        not cut short by the coordinator's end. (Process 0 used to wait its own grace from its own end: a process
+        that slept through its interrupt, SIGINT being ignored in a suite run in the background, was ended by its
+        grace just after process 0 had left, and JAX aborted it first; seen in three suite runs.)"""
         self._publish("exited", "1", wait=EXITED_WAIT_S)
         if self.me == 0:
             # as long as any other process can still run: each learns of the failure within about two heartbeats
@@ -721,6 +722,7 @@ def watch(cfg) -> Watchdog | None:
         return None
     _watch["exchange_timeout"] = float(section.exchange_timeout)
     if _watch["dog"] is None:
+        _watch["interrupt_signal"] = _choose_interrupt_signal()
         _watch["dog"] = Watchdog(state.client, state.process_id, state.num_processes, section.heartbeat_timeout,
                                  coordinator=state.coordinator_address or "", workdir=cfg.workdir)
         if not _watch["atexit"]:  # registered after jax's own exit handler, so it runs before it
@@ -841,13 +843,38 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _interrupt_main() -> None:
-    """A KeyboardInterrupt in the main thread (an asyncio rollout is cancelled cleanly, asyncio's own SIGINT handler),
-    now even in a blocking call (sleep, a socket read: the signal interrupts it) that _thread.interrupt_main alone
-    would wait out. Where SIGINT is not Python's to handle (ignored, or the default action, which would kill the
-    process without cleanup), the flag only: the grace then ends a main thread that never looks at it."""
+def _raise_keyboard_interrupt(signum, frame):  # noqa: ARG001 - a signal handler's signature
+    raise KeyboardInterrupt
+
+
+def _choose_interrupt_signal() -> int | None:
+    """The signal `_interrupt_main` sends, chosen in the main thread when the watchdog starts: SIGINT where Python
+    handles it (its KeyboardInterrupt; asyncio's own handler cancels a rollout cleanly); else, where SIGINT is
+    ignored (a process started in the background by a non-interactive shell, `cmd &`, inherits that, and Python
+    then leaves it ignored) or left to its default action, SIGUSR1 with a handler that raises KeyboardInterrupt, if
+    nothing else has claimed SIGUSR1; else None (the flag only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return signal.SIGINT if callable(signal.getsignal(signal.SIGINT)) else None
     if callable(signal.getsignal(signal.SIGINT)):
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        return signal.SIGINT
+    if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, _raise_keyboard_interrupt):
+        signal.signal(signal.SIGUSR1, _raise_keyboard_interrupt)
+        return signal.SIGUSR1
+    log.warning("SIGINT is not Python's to handle here and SIGUSR1 has another handler: a process told to stop "
+                "while blocked (a sleep, a socket read) ends only after config.distributed.heartbeat_timeout")
+    return None
+
+
+def _interrupt_main() -> None:
+    """A KeyboardInterrupt in the main thread, even in a blocking call (sleep, a socket read: the signal interrupts
+    it) that _thread.interrupt_main alone would wait out: the signal `_choose_interrupt_signal` chose. Without one,
+    the flag only: the grace then ends a main thread that never looks at it."""
+    sig = _watch["interrupt_signal"]
+    handler = None if sig is None else signal.getsignal(sig)
+    if not callable(handler) or (sig == signal.SIGUSR1 and handler is not _raise_keyboard_interrupt):
+        sig = None  # changed since the watchdog started: the signal would now do nothing, or end the process
+    if sig is not None:
+        signal.pthread_kill(threading.main_thread().ident, sig)
     else:
         _thread.interrupt_main()
 

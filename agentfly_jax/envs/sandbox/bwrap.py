@@ -58,6 +58,10 @@ def sandbox_uids() -> list[tuple[int, int]]:
     return sorted((p.pw_uid, p.pw_gid) for p in pwd.getpwall() if p.pw_name.startswith(SANDBOX_USER_PREFIX))
 
 
+#: how long a slot's release keeps killing its uid's processes before it quarantines the uid
+KILL_DEADLINE_S = 5.0
+
+
 def processes_of_uids(uids) -> dict[int, int]:
     """{pid: uid} of every process (zombies included) whose real uid is in `uids`, from /proc."""
     uids = set(uids)
@@ -285,7 +289,7 @@ class _Slot:
                     pass
         return list(pids)
 
-    async def kill_all(self, deadline_s: float = 5.0) -> bool:
+    async def kill_all(self, deadline_s: float = KILL_DEADLINE_S) -> bool:
         """Kills the whole process tree of the slot; True once no process of its uid is left."""
         start = time.monotonic()
         rounds = 0
