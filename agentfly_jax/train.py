@@ -40,6 +40,8 @@ def main(argv) -> None:
         distributed.start(typed)  # jax.distributed before any device work; the same config and code everywhere
     except (ConfigError, distributed.DistributedError) as e:
         _die(str(e))
+    except KeyboardInterrupt as e:  # the watchdog's interrupt can come as soon as it runs (the end of `start`)
+        _stopped_by_another(e)
     from agentfly_jax.trainer.loop import NonFiniteTrainingError, train  # after validation: keeps --help fast
 
     try:
@@ -50,11 +52,24 @@ def main(argv) -> None:
         _die(f"training stopped: {e}", code=1)
     except distributed.DistributedError as e:  # another process of the run was lost or failed (docs/tpu.md)
         _die(f"training stopped: {e}", code=1)
+    except KeyboardInterrupt as e:  # ... also before the trainer's loop handles its own errors
+        _stopped_by_another(e)
     print(json.dumps(summary, indent=2))
     if summary.get("success_after") is not None:
         print(f"\n{summary['algorithm']}: success {summary['success_before']:.2f} -> {summary['success_after']:.2f} "
               f"in {summary['steps']} RL steps, {summary['wall_seconds']:.0f}s. TensorBoard: "
               f"tensorboard --logdir {summary['workdir']}/tensorboard")
+
+
+def _stopped_by_another(interrupt: KeyboardInterrupt) -> None:
+    """A KeyboardInterrupt outside the trainer's loop: the watchdog's, when another process of the run was lost or
+    failed (then the one-line ProcessLostError and status 1, as from inside the loop); else Ctrl-C, raised on."""
+    from agentfly_jax.trainer import distributed
+
+    lost = distributed.stopped_by(interrupt)
+    if lost is None:
+        raise interrupt
+    _die(f"training stopped: {lost}", code=1)
 
 
 def _die(message: str, code: int = 2) -> None:
