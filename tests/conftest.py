@@ -44,7 +44,8 @@ def search_subset_cache(tmp_path_factory):
 # pytest-xdist workers first (scripts/test.sh: --dist loadfile --no-loadscope-reorder gives out whole files in
 # collection order), so that no worker starts one of them while the other has little left (two full runs ended
 # with one worker idle for 80 and 110 s while the other ran test_process_faults.py). Quick phase: several processes
-# each; slow phase: the SmolLM2 recipes (about 5 min), the quickstart runs (about 4.5 min), the tutorial's commands.
+# each; slow phase: the SmolLM2 recipes and the quickstart runs (5-6 min each under the phase's load), the
+# tutorial's commands.
 LONGEST_FIRST = ("tests/trainer/test_multiprocess.py", "tests/trainer/test_process_faults.py",
                  "tests/trainer/test_update.py", "tests/trainer/test_async.py",
                  "tests/trainer/test_smollm2_recipes.py", "tests/trainer/test_train_loop.py",

@@ -162,20 +162,24 @@ def test_weight_update_protocol_and_requests_held_meanwhile(tiny_model):
     assert sent == 0 and completion.weight_version == 5 and version == 5
 
 
-def test_weight_update_protocol_order(tiny_model):
+@pytest.mark.parametrize("interrupt", [False, True], ids=["wait", "interrupt"])
+def test_weight_update_protocol_order(tiny_model, interrupt):
     model, params = tiny_model
     tensor_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
 
     async def go(server):
         async with VLLMBackend(server.url, model, chunk_bytes=tensor_bytes // 3) as backend:
-            await backend.update_weights(params, version=2)
+            await backend.update_weights(params, version=2, interrupt=interrupt)
         return server.calls
 
     calls = run(go, {})
     stages = calls.count("rpc:" + ext.STAGE)
     assert stages >= 3
-    # the chunks travel while the server still runs its requests: the pause covers the load only
-    assert calls == [*["rpc:" + ext.STAGE] * stages, "pause", "rpc:" + ext.COMMIT, "reset", "resume"]
+    if not interrupt:  # the chunks travel while the server still finishes its requests: the pause covers the load
+        assert calls == [*["rpc:" + ext.STAGE] * stages, "pause", "rpc:" + ext.COMMIT, "reset", "resume"]
+    else:  # the swap comes first: running requests are frozen, then the chunks travel
+        assert calls == ["pause", "rpc:" + ext.IN_FLIGHT_LENGTHS, *["rpc:" + ext.STAGE] * stages,
+                         "rpc:" + ext.COMMIT, "reset", "resume"]
 
 
 _CHUNK = 256 * 1024  # chunks under the fake server's largest request body (1 MiB, aiohttp's default)

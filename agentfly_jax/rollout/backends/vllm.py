@@ -51,8 +51,9 @@ Sources (vLLM 0.32): entrypoints/scale_out/token_in_token_out/{protocol,serving}
 images before sending anything. Prompts without images go to /v1/completions as before, on any model.
 
 Weight sync (`update_weights(params, version, interrupt=...)`): new `generate` calls wait (in this client) while
-an update runs; the weights are sent to every server while it still runs its requests (staged beside the model),
-then, on every server at once: pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
+an update runs; with interrupt=False the weights are sent to every server while it still finishes its requests
+(staged beside the model), with interrupt=True after the pause (see `_update_one`); then, on every server at once:
+pause, load, `POST /reset_prefix_cache` (ALWAYS: cached KV blocks
 were computed with the old weights and would otherwise be reused for matching prompt prefixes), `POST /resume`.
 A vision-language server also gets `POST /reset_encoder_cache` after that reset: vLLM keeps the vision tower's
 outputs per image (its encoder cache) and asks for this reset after a weight update. vLLM 0.32's `/pause` already
@@ -592,11 +593,16 @@ class VLLMBackend(GenerationBackend):
                 self._ready.set()
 
     async def _update_one(self, server: _Server, load, version: int, abort: bool, interrupt: bool, stage=None):
-        """[stage ->] pause -> load -> reset the prefix cache -> resume, on one server (see the module docstring).
-        `stage` sends the weights while the server still runs its requests, so the pause lasts only the load."""
+        """[stage ->] pause -> [stage ->] load -> reset the prefix cache -> resume, on one server (see the module
+        docstring). Without `interrupt`, `stage` sends the weights while the server still finishes its requests,
+        so the pause lasts only the load. With it, the pause comes first: the point of an interrupting update is to
+        swap now, and a vLLM CPU server answered a staging call only once its running requests had finished (10 s
+        for 32 sequences of 1,800 tokens, against 0.05 s idle), which would let every one of them end on the old
+        weights."""
         timeout = self.update_timeout
         mode = "keep" if interrupt else "wait"
-        if stage is not None:
+        staged_first = stage is not None and not interrupt
+        if staged_first:
             try:
                 await stage(server)
             except BaseException:
@@ -608,6 +614,8 @@ class VLLMBackend(GenerationBackend):
         try:
             lengths = await self._in_flight_lengths(server) if interrupt else None
             try:
+                if stage is not None and not staged_first:
+                    await stage(server)
                 results = await load(server)
             except BaseException:
                 if abort:

@@ -7,7 +7,8 @@ module name `agentfly_vllm_worker_ext`). `VLLMBackend` drives it:
   POST /collective_rpc {method: STAGE, kwargs: {payload}}  once per chunk: base64 safetensors bytes, HF names
                                                          (while the engine still runs: the model is not touched)
   POST /pause?mode=wait                                  finish running requests, hold new ones
-       (or ?mode=keep, interrupt=True: freeze running requests; then IN_FLIGHT_LENGTHS, the tokens each has)
+       (or, interrupt=True, first: ?mode=keep freezes running requests; then IN_FLIGHT_LENGTHS, the tokens each
+       has, then the STAGE calls)
   POST /collective_rpc {method: COMMIT, kwargs: {version}} load every staged tensor at once, record the version
   POST /reset_prefix_cache, then POST /resume            (cached KV blocks were computed with the old weights)
 
