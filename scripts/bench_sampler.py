@@ -30,7 +30,8 @@ two computations' rounding flips a draw).
 (`JaxSampler(tensor_parallel=N)`: heads, MLP and vocab split, the KV cache over kv heads); the roofline then counts
 the HBM bandwidth of all N devices (each reads its share of the weights and the cache). The peer runs on one.
 
-Each side runs every batch size twice after a warm-up, with N = --new-tokens and N + --extra-tokens new tokens;
+Each side runs every batch size after a warm-up, --repeats rounds each with N = --new-tokens and N + --extra-tokens new
+tokens, and keeps the fastest round of each;
   e2e tok/s    = batch * N_long / wall(N_long)                 (prompt pass included)
   decode tok/s = batch * extra / (wall(N_long) - wall(N))       (the prompt pass and fixed costs cancel)
 Roofline of one decode step: (parameter bytes + KV-cache bytes read at the mean context) / HBM bandwidth
@@ -86,7 +87,9 @@ def _prompts(args, batch: int):
 
 
 def _measure(generate_round, args) -> dict:
-    """Warm-up, then wall times of `args.repeats` rounds at N and at N + extra new tokens (medians)."""
+    """Warm-up, then wall times of `args.repeats` rounds at N and at N + extra new tokens, each the fastest of its
+    rounds: a loaded machine's noise only adds time, and the decode rate is a difference of the two, which the
+    medians of two rounds each once made negative on a shared CI machine."""
     n_short, n_long = args.new_tokens, args.new_tokens + args.extra_tokens
     t0 = time.perf_counter()
     generate_round(n_short)
@@ -98,14 +101,17 @@ def _measure(generate_round, args) -> dict:
             t = time.perf_counter()
             generate_round(n)
             times.append(time.perf_counter() - t)
-    return {"warmup_s": round(warmup_s, 2), "wall_short_s": statistics.median(short),
-            "wall_long_s": statistics.median(long)}
+    return {"warmup_s": round(warmup_s, 2), "wall_short_s": min(short), "wall_long_s": min(long)}
 
 
 def _summary(args, batch: int, timing: dict) -> dict:
     n_long = args.new_tokens + args.extra_tokens
     decode_s = timing["wall_long_s"] - timing["wall_short_s"]
     decode = batch * args.extra_tokens / decode_s if decode_s > 0 else float("nan")
+    if not decode_s > 0:
+        print(f"bench_sampler: batch {batch}: the round with {args.extra_tokens} more new tokens was not slower "
+              f"({timing['wall_long_s']:.4f} s against {timing['wall_short_s']:.4f} s), so the decode rate is nan; "
+              "raise --extra-tokens or --repeats", file=sys.stderr)
     return {"shape": args.shape, "dtype": args.dtype, "batch": batch, "prompt_len": args.prompt_len,
             "new_tokens": [args.new_tokens, n_long], **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in timing.items()},
