@@ -73,7 +73,8 @@ def run_jax(args) -> dict:
 
     config = ModelConfig(**shape, qkv_bias=True, family="qwen2", dtype=dtype,
                          param_dtype=jnp.float32 if args.fp32_params else dtype, remat=args.remat,
-                         attention_impl=args.attention, lora_rank=args.lora_rank)
+                         attention_impl=args.attention, attention_segments=args.attention_segments,
+                         lora_rank=args.lora_rank)
     model = CausalLM(config)
     trainable = lora.is_adapter if args.lora_rank else None  # LoRA: adapters trained, the base frozen
     params = init_params(model, jax.random.PRNGKey(0))
@@ -141,7 +142,8 @@ def run_jax(args) -> dict:
     opt_values = sum(int(x.size) for x in jax.tree.leaves(holder["state"].policy.opt_state) if x.ndim > 0)
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
             "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, "mode": args.mode,
-            "segments": seg, "chunk": args.chunk, "lora_rank": args.lora_rank, "fused_optimizer": args.fused_optimizer,
+            "segments": seg, "attention_segments": args.attention_segments, "chunk": args.chunk,
+            "lora_rank": args.lora_rank, "fused_optimizer": args.fused_optimizer,
             "gpu_gemm": args.gpu_gemm, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "trained_values": lora.adapter_count(params) if args.lora_rank else sum(
                 int(x.size) for x in jax.tree.leaves(params)),
@@ -332,6 +334,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp32-params", action="store_true", help="ours: fp32 master params, bf16 compute")
     p.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto")
     p.add_argument("--segments", type=int, default=1, help="ours: sequences packed per row (segment masks)")
+    p.add_argument("--attention-segments", type=int, default=ModelSection().attention_segments,
+                   help="ours: config.model.attention_segments, cuDNN's packed layout for up to N segments a row "
+                        "(0: the dense segment mask)")
     p.add_argument("--mode", choices=["step", "grad", "forward", "optimizer"], default="step",
                    help="ours: full step, gradients only, forward log-probs only (time breakdown), or the "
                         "optimiser step alone (every optimizer.fused setting, and the peer's clip + AdamW)")

@@ -188,6 +188,11 @@ class ModelConfig:
     layer_row_splits: int = 1
     # "auto": cuDNN fused attention on GPU in bf16/fp16, else "xla" (einsum, fp32 softmax, exact in fp32)
     attention_impl: str = "auto"
+    # Packed rows (segment ids) under cuDNN attention: N > 0 hands cuDNN each row's segments as starts and
+    # lengths (up to N runs of equal ids a row, the padding's included), so it skips the blocks across segments
+    # and above the diagonal and reads no [B, T, T] bias; a batch with a row of more runs takes the dense-mask
+    # kernel (same result). 0: always the dense mask. No effect on the einsum path.
+    attention_segments: int = 0
     # LoRA (models/lora.py): rank-r adapters beside the kernels of `lora_targets`, scaled by alpha / r; 0: none
     lora_rank: int = 0
     lora_alpha: float = 16.0
@@ -213,6 +218,9 @@ class ModelConfig:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {_ROPE_TYPES}")
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}; expected 'auto', 'xla' or 'cudnn'")
+        if not isinstance(self.attention_segments, int) or self.attention_segments < 0:
+            raise ValueError(f"attention_segments must be an integer >= 0 (0: the dense mask), got "
+                             f"{self.attention_segments!r}")
         if not isinstance(self.layer_row_splits, int) or self.layer_row_splits < 1:
             raise ValueError(f"layer_row_splits must be an integer >= 1 (1: off), got {self.layer_row_splits!r}")
         if self.lora_rank < 0 or self.lora_alpha <= 0:

@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,13 +164,70 @@ def resolve_attention_impl(impl: str, dtype) -> str:
     return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
 
 
+def segment_layout(segment_ids, max_segments: int):
+    """cuDNN's packed-sequence description of rows [B, T] of segment ids: each row's runs of equal ids (a segment,
+    the padding's run included) -> (lengths [B, M], starts [B, M + 1]) int32, M = `max_segments`, entries past a
+    row's last run -1 (cuDNN's filler), and the largest number of runs in a row (a row with more than M cannot be
+    described: the caller must not use the layout then)."""
+    b, t = segment_ids.shape
+    seg = jnp.asarray(segment_ids, jnp.int32)
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    run = jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1  # [B, T]: the run each position belongs to
+    runs = run[:, -1] + 1
+    lengths = jnp.sum(run[:, :, None] == jnp.arange(max_segments, dtype=jnp.int32), axis=1, dtype=jnp.int32)
+    live = jnp.arange(max_segments) < runs[:, None]
+    offsets = jnp.cumsum(lengths, axis=1, dtype=jnp.int32) - lengths
+    lengths = jnp.where(live, lengths, -1)
+    offsets = jnp.concatenate([jnp.where(live, offsets, -1), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    return lengths, offsets, jnp.max(runs)
+
+
+@flax.struct.dataclass
+class SegmentMask:
+    """A packed batch's segment ids [B, T], passed to the layers in place of their [B, T, T] mask where cuDNN
+    reads them as its packed-sequence layout (`ModelConfig.attention_segments`)."""
+
+    segment_ids: jax.Array
+    max_segments: int = flax.struct.field(pytree_node=False)
+
+
+def _packed_kernel(q, k, v, lengths, offsets):
+    """cuDNN's fused attention over packed segments (`segment_layout`'s lengths and starts), causal within each."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+    return cudnn_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+                           scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
+
+
+def _dense_kernel(q, k, v, mask):
+    """cuDNN's fused attention with a [B, T, S] boolean mask (read as a dense bias)."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
+
+
+def _cudnn_packed(q, k, v, segment_ids, max_segments: int):
+    """Causal attention within each run of `segment_ids` through cuDNN's packed-sequence layout (each row's
+    segments as starts and lengths): blocks across segments and above the diagonal are skipped, and no [B, T, T]
+    bias is read or differentiated. A batch with a row of more than `max_segments` runs takes the dense-mask
+    kernel instead (`lax.cond`: the same result, at the dense path's cost)."""
+    lengths, offsets, runs = segment_layout(segment_ids, max_segments)
+    return jax.lax.cond(runs <= max_segments,
+                        lambda q, k, v: _packed_kernel(q, k, v, lengths, offsets),
+                        lambda q, k, v: _dense_kernel(q, k, v, attention_mask(segment_ids)), q, k, v)
+
+
 def dot_product_attention(q, k, v, mask, impl: str = "xla"):
-    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D], mask [B,T,S] bool or None (= causal) -> [B,T,H,D]."""
+    """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D] -> [B,T,H,D]; mask [B,T,S] bool, None (= causal), or
+    `SegmentMask` (causal within each row's runs of equal segment ids: cuDNN's packed layout, else their mask)."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
+    if isinstance(mask, SegmentMask):
+        if resolve_attention_impl(impl, q.dtype) == "cudnn":
+            return _cudnn_packed(q, k, v, mask.segment_ids, mask.max_segments)
+        mask = attention_mask(mask.segment_ids)
     if resolve_attention_impl(impl, q.dtype) == "cudnn":
-        return jax.nn.dot_product_attention(
-            q, k, v, mask=None if mask is None else mask[:, None], is_causal=mask is None, implementation="cudnn")
+        if mask is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return _dense_kernel(q, k, v, mask)
     if mask is None:
         mask = jnp.tril(jnp.ones((t, k.shape[1]), dtype=bool))[None]
     q = q.reshape(b, t, kv_heads, h // kv_heads, d)
@@ -314,7 +372,7 @@ class Attention(nn.Module):
         share = (batch_name("act_gemm_batch") if split_heads else rows, "act_length", "act_embed")
         x = _reshard(x, share, _residual() if split_heads else share)
         if mask is not None and not split_heads:  # the mask's rows go with the queries' (cuDNN needs that)
-            mask = _constrain(mask, (rows, "act_length", None))
+            mask = jax.tree.map(lambda m: _constrain(m, (rows, "act_length", None)[:m.ndim]), mask)
         q = proj(c.num_heads, "heads", "q_proj")  # [B, T, H, D]
         k = proj(c.num_kv_heads, "kv_heads", "k_proj", repeats)  # [B, T, K * repeats, D]
         v = proj(c.num_kv_heads, "kv_heads", "v_proj", repeats)
@@ -401,17 +459,23 @@ class Decoder(nn.Module):
     def from_embeddings(self, x, positions, segment_ids=None):
         """The layers and final norm on input embeddings x [B, T, E] (a multimodal model merges image features
         into them first); positions [B, T], or [3, B, T] with mRoPE."""
-        mask = None if segment_ids is None else _constrain(attention_mask(segment_ids),
-                                                           ("act_batch", "act_length", None))
+        c = self.config
+        if segment_ids is None:
+            mask = None
+        elif c.attention_segments and resolve_attention_impl(c.attention_impl, c.dtype) == "cudnn":
+            mask = SegmentMask(_constrain(segment_ids, ("act_batch", "act_length")), c.attention_segments)
+        else:
+            mask = _constrain(attention_mask(segment_ids), ("act_batch", "act_length", None))
         x = _constrain(x, _residual())
-        n = self.config.layer_row_splits
+        n = c.layer_row_splits
         if n == 1 or x.shape[0] % n:  # a schedule, not a result: rows it does not divide (init's one) run whole
             for layer in self.layers:
                 x = layer(x, positions, mask)
             return self.norm(x)
         row_axis = positions.ndim - 2  # positions [B, T] or mRoPE's [3, B, T]
         xs, ps = _row_groups(x, n, 0), _row_groups(positions, n, row_axis)
-        ms = [None] * n if mask is None else _row_groups(mask, n, 0)
+        ms = [None] * n if mask is None else [jax.tree.map(lambda m, j=j: _row_groups(m, n, 0)[j], mask)
+                                              for j in range(n)]
         for layer in self.layers:  # the groups share no data within a layer: XLA may interleave them
             xs = [_constrain(layer(xi, pi, mi), _residual()) for xi, pi, mi in zip(xs, ps, ms)]
         return self.norm(_constrain(_join_rows(xs, 0), _residual()))

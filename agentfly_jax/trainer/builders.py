@@ -195,8 +195,8 @@ def build_policy(cfg: TrainConfig, tokenizer) -> tuple[CausalLM | Qwen2_5_VLCaus
     param_dtype = m.pop("param_dtype") or dtype
     vision, mrope_section = m.pop("vision"), m.pop("mrope_section")
     m.pop("gpu_gemm")  # how the update steps compile (trainer/update.py), not part of the model
-    overrides = {k: m.pop(k) for k in ("remat", "layer_row_splits", "attention_impl", "lora_rank", "lora_alpha",
-                                       "lora_targets")}
+    overrides = {k: m.pop(k) for k in ("remat", "layer_row_splits", "attention_impl", "attention_segments",
+                                       "lora_rank", "lora_alpha", "lora_targets")}
     if hf_path:
         model, params = load_pretrained(hf_path, dtype=dtype, param_dtype=param_dtype, **overrides)
         if model.config.vocab_size < len(tokenizer):

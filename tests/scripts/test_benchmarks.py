@@ -37,6 +37,21 @@ def test_bench_update_short(tmp_path):
     assert "--xla_gpu_enable_command_buffer=" in record["ours"]["xla_flags"]  # kernels named one by one on a GPU
 
 
+def test_bench_train_attention_short(tmp_path):
+    """The CPU version: the einsum path timed on packed rows with padding; cuDNN's kernels, absent here, each
+    reported as an error line, not a crash."""
+    out = tmp_path / "attention.jsonl"
+    stdout = _run(["scripts/bench_train_attention.py", "--batch", "2", "--seq-len", "32", "--heads", "4",
+                   "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32", "--segments", "1", "3", "--pad", "4",
+                   "--repeats", "2", "--impls", "xla", "cudnn_segments", "--out", str(out)])
+    lines = [json.loads(line) for line in stdout.splitlines()]
+    timed = [r for r in lines if "error" not in r]
+    assert [(r["impl"], r["segments"]) for r in timed] == [("xla", 1), ("xla", 3)]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in timed)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == timed
+    assert [r["impl"] for r in lines if "error" in r] == ["cudnn_segments"] * 2
+
+
 @pytest.mark.slow
 def test_bench_lora_short(tmp_path):
     out = tmp_path / "lora.jsonl"
