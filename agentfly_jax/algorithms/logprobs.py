@@ -15,13 +15,52 @@ import jax.numpy as jnp
 
 
 def logprobs_from_logits(logits, targets, temperature=1.0):
-    """(logprobs [B, T], entropy [B, T]) in fp32 of `targets` under softmax(logits / temperature)."""
-    scaled = logits.astype(jnp.float32) / temperature  # [B, T, V]
-    log_probs = jax.nn.log_softmax(scaled, axis=-1)  # [B, T, V]
-    target_index = targets[..., None].astype(jnp.int32)  # [B, T, 1]
-    token_logprobs = jnp.take_along_axis(log_probs, target_index, axis=-1)[..., 0]  # [B, T]
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)  # [B, T]
-    return token_logprobs, entropy
+    """(logprobs [B, T], entropy [B, T]) in fp32 of `targets` under softmax(logits / temperature).
+
+    One pass over the [.., V] logits forward (max, log-sum-exp, the target's logit, the entropy) and one backward
+    (`_logprobs_bwd`): only the logits (in their own dtype) and two fp32 numbers per position are kept for the
+    backward, not an fp32 [.., V] log-softmax, and the target's gradient is a compare against the vocabulary
+    index, not a scatter. Differentiable in `logits` only.
+    """
+    return _logprobs_entropy(logits, jnp.asarray(targets, jnp.int32), temperature)
+
+
+def _scaled(logits, temperature):
+    return logits.astype(jnp.float32) / temperature
+
+
+def _logprobs_fwd(logits, targets, temperature):
+    z = _scaled(logits, temperature)  # [.., V]
+    top = jnp.max(z, axis=-1)
+    shifted = z - top[..., None]  # <= 0
+    e = jnp.exp(shifted)
+    log_sum = jnp.log(jnp.sum(e, axis=-1))  # [..]
+    # entropy = log(sum e) - sum(e * shifted) / sum(e): no large cancellation (both terms are small for a peaked
+    # distribution); positions where e underflows to 0 (a -inf logit) add nothing
+    weighted = jnp.sum(jnp.where(e > 0, e * shifted, 0.0), axis=-1) / jnp.sum(e, axis=-1)
+    entropy = log_sum - weighted
+    target = jnp.take_along_axis(shifted, targets[..., None], axis=-1)[..., 0]
+    return (target - log_sum, entropy), (logits, targets, temperature, top + log_sum, entropy)
+
+
+def _logprobs_bwd(residuals, cotangents):
+    """d logprob / dz = onehot - p; d entropy / dz = -p (log p + entropy); z = logits / temperature."""
+    logits, targets, temperature, lse, entropy = residuals
+    g_logprob, g_entropy = cotangents
+    log_p = _scaled(logits, temperature) - lse[..., None]
+    p = jnp.exp(log_p)
+    spread = g_logprob[..., None] + g_entropy[..., None] * (log_p + entropy[..., None])
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    dz = jnp.where(vocab == targets[..., None], g_logprob[..., None], 0.0) - jnp.where(p > 0, p * spread, 0.0)
+    return (dz / temperature).astype(logits.dtype), None, None
+
+
+@jax.custom_vjp
+def _logprobs_entropy(logits, targets, temperature):
+    return _logprobs_fwd(logits, targets, temperature)[0]
+
+
+_logprobs_entropy.defvjp(_logprobs_fwd, _logprobs_bwd)
 
 
 def token_logprobs_and_entropy(

@@ -90,6 +90,69 @@ def test_gradient_of_logprob_is_onehot_minus_softmax():
     np.testing.assert_allclose(grad, (onehot - softmax) / 0.5, rtol=RTOL, atol=ATOL)
 
 
+def test_gradient_of_entropy_and_of_both_outputs_against_closed_forms():
+    # d entropy / d logits = -p (log p + H) / tau; with weights on both outputs the two gradients add up
+    hidden, targets, weight = make_inputs(6)
+    logits = (hidden @ weight).astype(np.float32)
+    tau = 0.7
+    w_lp = np.linspace(-1.0, 2.0, BATCH * SEQ).reshape(BATCH, SEQ)
+    w_h = np.linspace(0.3, -0.8, BATCH * SEQ).reshape(BATCH, SEQ)
+
+    def objective(x):
+        lp, h = algorithms.logprobs_from_logits(x, targets, tau)
+        return jnp.sum(lp * w_lp) + jnp.sum(h * w_h)
+
+    grad = jax.jit(jax.grad(objective))(logits)
+    scaled = logits.astype(np.float64) / tau
+    log_p = scaled - scaled.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    p = np.exp(log_p)
+    entropy = -(p * log_p).sum(-1, keepdims=True)
+    onehot = np.eye(VOCAB)[targets]
+    want = (w_lp[..., None] * (onehot - p) - w_h[..., None] * p * (log_p + entropy)) / tau
+    np.testing.assert_allclose(grad, want, rtol=RTOL, atol=ATOL)
+    # and against differentiating the textbook formula (log_softmax, gather, -sum p log p) in fp32
+    def textbook(x):
+        lsm = jax.nn.log_softmax(x / tau, axis=-1)
+        lp = jnp.take_along_axis(lsm, targets[..., None], axis=-1)[..., 0]
+        return jnp.sum(lp * w_lp) + jnp.sum(-jnp.sum(jnp.exp(lsm) * lsm, axis=-1) * w_h)
+    np.testing.assert_allclose(grad, jax.grad(textbook)(logits), rtol=RTOL, atol=ATOL)
+
+
+def test_the_backward_keeps_the_logits_not_an_fp32_log_softmax():
+    # what jax.vjp keeps for the backward: the bf16 logits and per-position numbers, nothing of size [B, T, V] in fp32
+    hidden, targets, weight = make_inputs(7)
+    logits = jnp.asarray(hidden @ weight).astype(jnp.bfloat16)
+    _, backward = jax.vjp(lambda x: algorithms.logprobs_from_logits(x, targets, 1.0), logits)
+    kept = [x for x in jax.tree.leaves(backward) if hasattr(x, "shape")]
+    assert any(x.dtype == jnp.bfloat16 and x.shape == logits.shape for x in kept)
+    assert not [x.shape for x in kept if x.dtype == jnp.float32 and x.size >= logits.size], kept
+    grad = backward((jnp.ones((BATCH, SEQ)), jnp.ones((BATCH, SEQ))))[0]
+    assert grad.dtype == jnp.bfloat16 and grad.shape == logits.shape
+
+
+def test_a_minus_inf_logit_leaves_values_and_gradients_finite():
+    # a token ruled out (logit -inf) has probability 0: it adds nothing to the entropy or the gradients
+    hidden, targets, weight = make_inputs(8)
+    logits = (hidden @ weight).astype(np.float32)
+    logits[..., 7] = -np.inf
+    targets = np.where(targets == 7, 8, targets)
+    lp, h = jax.jit(algorithms.logprobs_from_logits)(logits, targets)
+    want = ref.logprobs_and_entropy(np.delete(logits, 7, axis=-1), np.where(targets > 7, targets - 1, targets))
+    np.testing.assert_allclose(lp, want[0], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(h, want[1], rtol=RTOL, atol=ATOL)
+    grad = jax.grad(lambda x: jnp.sum(sum(algorithms.logprobs_from_logits(x, targets))))(logits)
+    assert np.isfinite(grad).all() and (np.asarray(grad)[..., 7] == 0).all()
+
+
+def test_temperature_may_be_traced():
+    hidden, targets, weight = make_inputs(9)
+    logits = hidden @ weight
+    got = jax.jit(lambda x, tau: algorithms.logprobs_from_logits(x, targets, tau))(logits, jnp.float32(0.6))
+    for g, w in zip(got, ref.logprobs_and_entropy(logits, targets, 0.6)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+
+
 def test_bf16_logits_are_computed_in_fp32():
     hidden, targets, weight = make_inputs(4)
 

@@ -52,6 +52,17 @@ def test_bench_train_attention_short(tmp_path):
     assert [r["impl"] for r in lines if "error" in r] == ["cudnn_segments"] * 2
 
 
+def test_bench_logprobs_short(tmp_path):
+    out = tmp_path / "logprobs.jsonl"
+    stdout = _run(["scripts/bench_logprobs.py", "--batch", "2", "--seq-len", "16", "--vocab", "512",
+                   "--temperature", "0.7", "--repeats", "2", "--out", str(out)])
+    records = [json.loads(line) for line in stdout.splitlines()]
+    assert [r["impl"] for r in records] == ["ours", "autodiff"]
+    assert all(r["ms"] > 0 and r["temp_mib"] is not None for r in records)
+    assert records[1]["max_abs_grad_diff_vs_ours"] < 0.05  # the same function: a bf16 ulp or two (0.016 at 2-4)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+
+
 @pytest.mark.slow
 def test_bench_lora_short(tmp_path):
     out = tmp_path / "lora.jsonl"
