@@ -8,10 +8,14 @@ type or out of range stops the run before any work, with one line naming it.
 """
 from __future__ import annotations
 
+import ast
+import difflib
 import json
 import logging
+import os
 import re
 import sys
+import traceback
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -31,7 +35,14 @@ def main(argv) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     config = _CONFIG.value
     if config is None:
+        if flags.FLAGS["config"].present:
+            _die(f"--config={_config_spec(sys.argv)}: get_config() returned None (a missing return statement?)")
         raise app.UsageError("--config is required, e.g. --config=experiments/quickstart.py")
+    if type(config).__name__ == "_ErrorConfig":  # ml-collections defers an OSError of loading the file
+        error = object.__getattribute__(config, "_error")
+        _die(f"--config={_config_spec(sys.argv)}: loading it failed: {type(error).__name__}: {error}")
+    for key in _NONE_OVERRIDES:  # --config.key=None: ml-collections would parse "None" as the field's type
+        _set(config, key, None)
     from agentfly_jax.trainer import distributed
     from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
@@ -77,22 +88,122 @@ def _die(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with a config override that names an unknown key (or has a bad value) reported in
-    one line instead of ml-collections' traceback."""
+_NONE_OVERRIDES: list[str] = []  # keys of --config.key=None, set after parsing (`main`)
+
+
+def _config_spec(argv: list[str]) -> str | None:
+    """The --config flag's value (PATH[:ARG]) in argv, or None."""
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _check_config_file(spec: str) -> None:
+    """The experiment file exists, parses and defines get_config: each said in one line before absl loads it."""
+    path = spec.split(":", 1)[0]
+    if not os.path.isfile(path):
+        _die(f"--config={spec}: no such file {path!r} (experiment files: experiments/*.py)")
     try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _die(str(e).splitlines()[0])
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        text = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
-        overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), filename=path)
+    except SyntaxError as e:
+        _die(f"--config={spec}: {path}:{e.lineno}: {e.msg}")
+    except (OSError, UnicodeDecodeError) as e:
+        _die(f"--config={spec}: cannot read {path}: {e}")
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if "get_config" not in names:
+        _die(f"--config={spec}: {path} defines no get_config() (an experiment file returns its ConfigDict from "
+             "get_config(arg=None))")
+
+
+def _raised_in(error: BaseException, path: str) -> int | None:
+    """The line of `path` (the experiment file) in the error's traceback, if the error passed through it."""
+    target, line = os.path.abspath(path), None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        if os.path.abspath(frame.f_code.co_filename) == target:
+            line = lineno
+    return line
+
+
+def _unknown_override(spec: str, overrides: list[str]) -> str | None:
+    """For an override naming a key the experiment's config lacks: the one-line message naming the first unknown
+    part of its path, the keys there and the nearest one."""
+    from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+    try:
+        base = ConfigFileFlagParser("config").parse(spec)
+    except Exception:  # noqa: BLE001 - the config file's own error is reported by the caller
+        return None
+    if not hasattr(base, "keys"):
+        return f"--config={spec}: get_config() returned {base!r}, not a ConfigDict (a missing return statement?)"
+    for override in overrides:
+        node, parts = base, override[len("--config."):].split(".")
+        for i, part in enumerate(parts):
+            keys = list(node.keys()) if hasattr(node, "keys") else None
+            if keys is None:
+                where = "config." + ".".join(parts[:i])
+                return f"config.{'.'.join(parts)}: {where} is a value ({node!r}), not a section"
+            if part not in keys:
+                where = "config" + "".join("." + p for p in parts[:i])
+                near = difflib.get_close_matches(part, [str(k) for k in keys], n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                return (f"config.{'.'.join(parts[:i + 1])}: unknown key{hint}; {where} has: "
+                        f"{', '.join(sorted(str(k) for k in keys))}")
+            node = node[part]
+    return None
+
+
+def _set(config, dotted: str, value) -> None:
+    node, parts = config, dotted.split(".")
+    for part in parts[:-1]:
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with every problem of the config file or an override (an unknown key, a bad value)
+    reported in one line instead of ml-collections' traceback. `--config.key=None` sets a key to None."""
+    spec = _config_spec(argv)
+    if spec is not None:
+        _check_config_file(spec)
+    _NONE_OVERRIDES[:] = [a[len("--config."):].split("=", 1)[0] for a in argv[1:]
+                          if a.startswith("--config.") and a.endswith("=None")]
+    overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+    unknown = _unknown_override(spec, overrides) if spec is not None and overrides else None
+    if unknown:
+        _die(unknown)
+    parse = [a for a in argv if not (a.startswith("--config.") and a.endswith("=None"))]
+    try:
+        return flags.FLAGS(parse)
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line naming what was wrong
+        text = str(e)
+        if "Error whilst parsing config file" in text:  # get_config raised (ml-collections keeps its traceback)
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            _die(f"--config={spec}: get_config raised {lines[-1]}")
+        path = (spec or "").split(":", 1)[0]
+        line = _raised_in(e, path) if path else None
+        if line is not None:
+            _die(f"--config={spec}: get_config raised {type(e).__name__}: {e} ({path}:{line})")
+        if isinstance(e, flags.Error):
+            _die(text.splitlines()[0])
+        if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
+            raise
+        text = text.strip("'\"").replace("\\n", " ").replace("\\'", "'").replace("\n", " ")
         # ml-collections names only the last path component; point at the override that holds it
         named = re.match(r"'?([A-Za-z_][\w]*)'?", text)
         culprit = next((o for o in overrides if named and o.split(".")[-1] == named.group(1)), None)
         where = f"{culprit.lstrip('-')}: " if culprit else ""
         _die(f"{where}bad --config override ({text}); overrides given: {' '.join(overrides) or 'none'}")
-    return argv
 
 
 def cli() -> None:

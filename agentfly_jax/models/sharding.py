@@ -102,8 +102,15 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence[jax.Device] | Non
     sizes = [int(axis_sizes.get(a, 1)) for a in MESH_AXES]
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    if any(s < 1 and s != -1 for s in sizes):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: axis sizes are >= 1, or -1 for every remaining device")
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
+        if len(devices) % known:
+            given = {a: s for a, s in zip(MESH_AXES, sizes) if s != -1}
+            raise ValueError(f"mesh {given} (and {MESH_AXES[sizes.index(-1)]}=-1, the rest) needs a multiple of "
+                             f"{known} devices but {len(devices)} are available; make the axis sizes divide the "
+                             "device count")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices but "

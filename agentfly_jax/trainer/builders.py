@@ -146,7 +146,7 @@ def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict
             rows = [json.loads(line) for line in fh if line.strip()]
         bad = [i + 1 for i, r in enumerate(rows) if not isinstance(r.get("messages"), list)]
         if bad:
-            raise ValueError(f"{sft.data_path}: lines {bad[:5]} have no 'messages' list")
+            raise ConfigError(f"{sft.data_path}: lines {bad[:5]} have no 'messages' list")
         return [(sft.steps, [r["messages"] for r in rows])]
     stages = sft.stages
     if sft.steps:  # steps without data_path: one stage of the environment's demonstrations
@@ -200,13 +200,16 @@ def build_policy(cfg: TrainConfig, tokenizer) -> tuple[CausalLM | Qwen2_5_VLCaus
     if hf_path:
         model, params = load_pretrained(hf_path, dtype=dtype, param_dtype=param_dtype, **overrides)
         if model.config.vocab_size < len(tokenizer):
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab is "
-                             f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the checkpoint's vocabulary "
+                              f"{model.config.vocab_size}: use the checkpoint's own tokenizer")
         if model.config.vision is not None:
             _check_vision_tokens(model.config.vision, tokenizer, hf_path)
         if model.config.lora_rank:  # the checkpoint is the frozen base: fresh adapters beside it
             params = lora.lora_init_fn(model)(params, jax.random.PRNGKey(cfg.seed + 17))
         return model, params
+    if m["vocab_size"] and m["vocab_size"] < len(tokenizer):
+        raise ConfigError(f"config.model.vocab_size={m['vocab_size']} but the tokenizer has {len(tokenizer)} tokens: "
+                          "raise it, or leave it unset (None: the tokenizer's size)")
     m["vocab_size"] = m["vocab_size"] or len(tokenizer)
     if m["family"] != "qwen2_5_vl":
         model = CausalLM(ModelConfig(**m, dtype=dtype, param_dtype=param_dtype, **overrides))
@@ -308,7 +311,10 @@ def critic_from_policy(policy: CausalLM, policy_params) -> tuple[ValueModel, Any
 # -------------------------------------------------------------------------------------------------- mesh
 def build_mesh(cfg: TrainConfig):
     """The training mesh: every device, or every device but the sampler's (`jax_sampler.separate_device`)."""
-    return shd.make_mesh(dataclasses.asdict(cfg.mesh), devices=trainer_devices(cfg))
+    try:
+        return shd.make_mesh(dataclasses.asdict(cfg.mesh), devices=trainer_devices(cfg))
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
 
 
 def trainer_devices(cfg: TrainConfig) -> list:
@@ -317,8 +323,8 @@ def trainer_devices(cfg: TrainConfig) -> list:
     if not cfg.jax_sampler.separate_device:
         return devices
     if jax.process_count() > 1:
-        raise ValueError("config.jax_sampler.separate_device=True runs in one process only (the sampler takes the "
-                         f"last device); this run has {jax.process_count()} processes: unset it")
+        raise ConfigError("config.jax_sampler.separate_device=True runs in one process only (the sampler takes the "
+                          f"last device); this run has {jax.process_count()} processes: unset it")
     tp = cfg.jax_sampler.tensor_parallel
     if len(devices) < tp + 1:
         raise ConfigError(f"config.jax_sampler.separate_device=True with tensor_parallel={tp} needs at least {tp + 1} "
@@ -398,7 +404,7 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, t
     servers = None
     if v.launch:
         if workdir is None:
-            raise ValueError("config.vllm.launch=True needs a workdir for the served checkpoint")
+            raise ConfigError("config.vllm.launch=True needs a workdir for the served checkpoint")
         model_dir = os.path.join(workdir, "vllm_model")
         save_pretrained(model, jax.device_get(params), model_dir)
         if is_vision_language(model):

@@ -124,7 +124,7 @@ class ModelSection:
     num_layers: int = knob(2, *POSITIVE)
     num_heads: int = knob(4, *POSITIVE)
     num_kv_heads: int = knob(2, *POSITIVE)
-    head_dim: int | None = None
+    head_dim: int | None = knob(None, lambda v: v is None or v > 0, "None (hidden_size / num_heads) or > 0")
     vocab_size: int | None = None  # None: the tokenizer's size
     qkv_bias: bool = True
     tie_word_embeddings: bool = True
@@ -177,16 +177,17 @@ class AgentSection:
     max_turns: int | None = knob(None, lambda v: v is None or v >= 1, ">= 1")
     max_new_tokens: int = knob(512, *POSITIVE)
     max_context_tokens: int = knob(4096, *POSITIVE)
-    max_observation_chars: int | None = None
+    max_observation_chars: int | None = knob(None, lambda v: v is None or v >= 1, "None (no limit) or >= 1")
     temperature: float = knob(1.0, *NON_NEGATIVE)
     top_p: float = knob(1.0, *PROBABILITY)
     top_k: int = -1
     parallel_tool_calls: bool = True
-    tool_timeout: float | None = None
+    tool_timeout: float | None = knob(None, lambda v: v is None or v > 0, "None or positive seconds")
     # seconds a reward without its own @reward(timeout=) may take (None: 300 s, inf: no limit)
     reward_timeout: float | None = knob(None, lambda v: v is None or v > 0, "None or positive seconds")
-    max_concurrency: int | None = None
-    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's end-of-turn tokens
+    max_concurrency: int | None = knob(None, lambda v: v is None or v >= 1, "None (no limit) or >= 1")
+    stop_token_ids: tuple[int, ...] | None = knob(  # None: the tokenizer's end-of-turn tokens
+        None, lambda v: v is None or all(i >= 0 for i in v), "None or token ids >= 0")
     # vision-language policies: the pixel range images are resized into (None: the Qwen2-VL processor's 56*56 and
     # 28*28*1280); an image takes pixels / 784 tokens of max_context_tokens
     min_pixels: int | None = knob(None, lambda v: v is None or v >= 1, "None or >= 1")
@@ -196,7 +197,7 @@ class AgentSection:
 @dataclasses.dataclass(frozen=True)
 class JaxSamplerSection:
     max_slots: int = knob(64, *POSITIVE)
-    max_len: int | None = None
+    max_len: int | None = knob(None, lambda v: v is None or v >= 2, "None (the context bucket) or >= 2")
     steps_per_call: int = knob(8, *POSITIVE)
     prefill_tokens: int = knob(8192, *POSITIVE)
     min_bucket: int = knob(16, *POSITIVE)
@@ -249,7 +250,7 @@ class OptimizerConfig:
     warmup_steps: int = knob(0, *NON_NEGATIVE)
     decay_steps: int = knob(0, *NON_NEGATIVE)  # 0: constant after warmup
     schedule: str = knob("constant", *_one_of("constant", "cosine", "linear"))
-    end_lr_ratio: float = knob(0.0, *NON_NEGATIVE)
+    end_lr_ratio: float = knob(0.0, lambda v: 0 <= v <= 1, "in [0, 1] (the decay's end, a fraction of learning_rate)")
     weight_decay: float = knob(0.0, *NON_NEGATIVE)
     b1: float = knob(0.9, lambda v: 0 <= v < 1, "in [0, 1)")
     b2: float = knob(0.999, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -268,7 +269,9 @@ class SFTSection:
     """Supervised warm start: `stages` ((steps, expert_fraction), ...) of the environment's demonstrations,
     or `steps` on `data_path` (JSONL of {"messages": [...]}), or none (steps 0, no stages)."""
 
-    stages: tuple[tuple[int, float], ...] = ()
+    stages: tuple[tuple[int, float], ...] = knob((), lambda v: all(len(s) == 2 and s[0] >= 1 and 0 <= s[1] <= 1
+                                                                  for s in v),
+                                                   "(steps >= 1, expert fraction in [0, 1]) pairs")
     steps: int = knob(0, *NON_NEGATIVE)
     expert_fraction: float | None = knob(None, lambda v: v is None or 0 <= v <= 1, "in [0, 1]")  # with steps
     batch_size: int = knob(16, *POSITIVE)
@@ -327,7 +330,7 @@ class LossSection:
     aggregation: str | None = knob(None, *_one_of(None, *AGGREGATION_MODES))
     norm_len: int | None = knob(None, lambda v: v is None or v > 0, "> 0")
     clip_eps: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = knob(None, lambda v: v is None or v > 0, "> 0")
     dual_clip: float | None = knob(None, lambda v: v is None or v > 1, "> 1")
     kl_loss_coef: float | None = knob(None, lambda v: v is None or v >= 0, ">= 0")
     kl_loss_estimator: str | None = None
@@ -354,9 +357,9 @@ class AdvantageSection:
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection:
-    data: int = 1
-    fsdp: int = -1  # -1: every remaining device
-    tensor: int = 1
+    data: int = knob(1, *POSITIVE)
+    fsdp: int = knob(-1, lambda v: v == -1 or v >= 1, ">= 1, or -1 (every remaining device)")
+    tensor: int = knob(1, *POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,6 +581,12 @@ class TrainConfig:
         m = self.model
         if m.hf_path:
             return
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"config.model.num_kv_heads={m.num_kv_heads} must divide num_heads={m.num_heads} "
+                              "(grouped-query attention: each kv head serves the same number of query heads)")
+        if m.head_dim is None and m.hidden_size % m.num_heads:
+            raise ConfigError(f"config.model.hidden_size={m.hidden_size} is not a multiple of num_heads={m.num_heads}: "
+                              "change one, or set config.model.head_dim")
         if m.family != "qwen2_5_vl":
             if m.mrope_section is not None:
                 raise ConfigError(f"config.model.mrope_section applies to family 'qwen2_5_vl' (a vision-language "

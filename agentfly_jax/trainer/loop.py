@@ -51,7 +51,7 @@ from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_
                                        no_chains_left_error, pack_step, place_block, rows_needed,
                                        unpack_index_from)
 from agentfly_jax.trainer.checkpoint import Checkpointer
-from agentfly_jax.trainer.config import OptimizerConfig, TrainConfig
+from agentfly_jax.trainer.config import ConfigError, OptimizerConfig, TrainConfig
 from agentfly_jax.trainer.export import export_policy
 from agentfly_jax.trainer.metrics import MetricWriter
 from agentfly_jax.trainer.state import (TrainState, create_train_state, init_model_state,
@@ -260,8 +260,8 @@ def run_sft(run: Run) -> dict:
                         len(encoded) - len(fitting), len(encoded), longest)
             run.writer.scalars(0, {f"sft/stage{i}_dropped_too_long": float(len(encoded) - len(fitting))})
         if encoded and not fitting:
-            raise ValueError(f"sft stage {i}: every one of the {len(encoded)} demonstrations is longer than the "
-                             f"largest bucket ({longest} tokens): raise config.seq_buckets")
+            raise ConfigError(f"sft stage {i}: every one of the {len(encoded)} demonstrations is longer than the "
+                              f"largest bucket ({longest} tokens): raise config.seq_buckets")
         stages[i] = (stage_steps, fitting)
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer, trainable=run.trainable)
@@ -275,8 +275,8 @@ def run_sft(run: Run) -> dict:
     bar = tqdm(total=total, desc="sft", disable=not cfg.progress)
     for stage_steps, encoded in stages:
         if len(encoded) < cfg.sft.batch_size:
-            raise ValueError(f"config.sft.batch_size={cfg.sft.batch_size} but there are only {len(encoded)} "
-                             "demonstrations: lower the batch size or add demonstrations")
+            raise ConfigError(f"config.sft.batch_size={cfg.sft.batch_size} but there are only {len(encoded)} "
+                              "demonstrations: lower the batch size or add demonstrations")
         for _ in range(stage_steps):
             chosen = [encoded[j] for j in rng.choice(len(encoded), size=cfg.sft.batch_size, replace=False)]
             batch, image_metrics = _pack(run, [e.token_ids for e in chosen], [e.action_mask for e in chosen],
@@ -651,9 +651,9 @@ def _make_batch_processes(run: Run, trajectories, step: int, chain_error: list |
                            "ended in a runtime error (chain_error), so there is nothing to train on; process "
                            f"{shared.index(next(s for s in shared if s['error']))} said: {errors[0][1]}")
     if any(s["images"] for s in shared):
-        raise ValueError(f"RL step {step}: trajectories with images are trained by one process only (each micro-batch's "
-                         "images go to every device whole, which the processes' blocks of rows do not provide); run "
-                         "a vision-language policy on one host (config.distributed.num_processes=1)")
+        raise ConfigError(f"RL step {step}: trajectories with images are trained by one process only (each "
+                          "micro-batch's images go to every device whole, which the processes' blocks of rows do not "
+                          "provide); run a vision-language policy on one host (config.distributed.num_processes=1)")
     first = sum(s["n"] for s in shared[:me])
     row_len = choose_bucket(max(s["longest"] for s in shared), cfg.seq_buckets)
     arrays = (trajectories_to_batch(trajectories, pad_to=row_len) if trajectories
@@ -1089,13 +1089,13 @@ def _check_shares(cfg: TrainConfig) -> None:
     """Every process needs at least one task of a step, and of the held-out tasks when there are any."""
     processes = jax.process_count()
     if cfg.rl.tasks_per_step < processes:
-        raise ValueError(f"config.rl.tasks_per_step={cfg.rl.tasks_per_step} is less than the {processes} processes of "
-                         "this run, which each roll out a share of a step's tasks: raise it to at least "
-                         f"{processes}")
+        raise ConfigError(f"config.rl.tasks_per_step={cfg.rl.tasks_per_step} is less than the {processes} processes of "
+                          "this run, which each roll out a share of a step's tasks: raise it to at least "
+                          f"{processes}")
     if 0 < cfg.eval.num_tasks < processes:
-        raise ValueError(f"config.eval.num_tasks={cfg.eval.num_tasks} is less than the {processes} processes of this "
-                         f"run, which each evaluate a share of the held-out tasks: raise it to at least {processes} "
-                         "(or 0: no evaluation)")
+        raise ConfigError(f"config.eval.num_tasks={cfg.eval.num_tasks} is less than the {processes} processes of this "
+                          f"run, which each evaluate a share of the held-out tasks: raise it to at least {processes} "
+                          "(or 0: no evaluation)")
 
 
 def _data_parallel_block(mesh) -> tuple[int, int, int]:
@@ -1109,15 +1109,15 @@ def _data_parallel_block(mesh) -> tuple[int, int, int]:
     owners = [{d.process_index for d in shard.reshape(-1)} for shard in grid.reshape(dp, -1)]
     shared = [i for i, o in enumerate(owners) if len(o) > 1]
     if shared:
-        raise ValueError(f"the mesh {dict(mesh.shape)} puts devices of several processes on one data-parallel "
-                         f"shard (shard {shared[0]}: processes {sorted(owners[shared[0]])}): with several processes "
-                         "keep config.mesh.tensor within a host's devices")
+        raise ConfigError(f"the mesh {dict(mesh.shape)} puts devices of several processes on one data-parallel "
+                          f"shard (shard {shared[0]}: processes {sorted(owners[shared[0]])}): with several processes "
+                          "keep config.mesh.tensor within a host's devices")
     me = jax.process_index()
     mine = [i for i, o in enumerate(owners) if o == {me}]
     counts = {p: sum(o == {p} for o in owners) for p in range(jax.process_count())}
     if mine != list(range(mine[0], mine[0] + len(mine))) or len(set(counts.values())) != 1:
-        raise ValueError(f"the mesh {dict(mesh.shape)} gives the processes uneven or interleaved data-parallel "
-                         f"shards ({counts} shards by process): give every host the same number of devices")
+        raise ConfigError(f"the mesh {dict(mesh.shape)} gives the processes uneven or interleaved data-parallel "
+                          f"shards ({counts} shards by process): give every host the same number of devices")
     return mine[0], len(mine), dp
 
 
@@ -1161,9 +1161,9 @@ def _build_backend(cfg: TrainConfig, serving_model, params, workdir: str, **visi
     if not vllm.launch:
         urls = tuple(vllm.urls)[distributed.process_share(len(vllm.urls))]
         if not urls:
-            raise ValueError(f"config.vllm.urls names {len(vllm.urls)} servers for the {jax.process_count()} "
-                             "processes of this run, which each sample on their own servers: give at least one "
-                             "per process (or vllm.launch=True: each process starts its own)")
+            raise ConfigError(f"config.vllm.urls names {len(vllm.urls)} servers for the {jax.process_count()} "
+                              "processes of this run, which each sample on their own servers: give at least one "
+                              "per process (or vllm.launch=True: each process starts its own)")
         cfg = dataclasses.replace(cfg, vllm=dataclasses.replace(vllm, urls=urls))
     own_dir = workdir if me == 0 else os.path.join(workdir, "processes", str(me))
     return builders.build_backend(cfg, serving_model, params, own_dir, **vision)

@@ -109,6 +109,9 @@ def test_out_of_range_is_refused_before_any_model_work(monkeypatch, tmp_path):
     (lambda d: d["tokenizer"].update(kind=""), "set config.tokenizer.path (an HF tokenizer directory) or"),
     (lambda d: d.update(backend="vllm"), "config.backend='vllm' needs config.vllm.urls"),
     (lambda d: d["env"].update(name=""), "config.env.name is empty and config.task.train_path is empty"),
+    (lambda d: d["model"].update(num_kv_heads=3), "config.model.num_kv_heads=3 must divide num_heads=4"),
+    (lambda d: d["model"].update(hidden_size=130),
+     "config.model.hidden_size=130 is not a multiple of num_heads=4: change one, or set config.model.head_dim"),
 ])
 def test_cross_section_rules_are_one_line_config_errors(change, message):
     assert message in _refused(change)
@@ -190,7 +193,72 @@ def test_cli_refuses_a_misspelled_key_in_one_line_with_a_suggestion():
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "stesp" in lines[0] and '"steps"' in lines[0] and "Traceback" not in proc.stderr
+    assert lines[0].startswith("agentfly-train: config.rl.stesp: unknown key (did you mean 'steps'?); config.rl "
+                               "has: "), lines
+    assert "Traceback" not in proc.stderr
+
+
+CONFIG_FILES = {  # an experiment file's problems, each said in one line naming the file
+    "missing": (None, "no such file"),
+    "syntax": ("def get_config(:\n    pass\n", "syntax.py:1: invalid syntax"),
+    "no_get_config": ("CONFIG = 1\n", "defines no get_config()"),
+    "returns_none": ("def get_config(arg=None):\n    pass\n", "get_config() returned None"),
+    "raises": ("def get_config(arg=None):\n    raise RuntimeError('no data here')\n",
+               "get_config raised RuntimeError: no data here (")
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CONFIG_FILES))
+def test_cli_names_a_broken_experiment_file_in_one_line(case, tmp_path):
+    text, expected = CONFIG_FILES[case]
+    path = tmp_path / f"{case}.py"
+    if text is not None:
+        path.write_text(text)
+    for extra in ((), ("--config.rl.steps=1",)):  # with and without an override to apply
+        proc, _ = _train_cli(*extra, config=str(path))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert lines[-1].startswith(f"agentfly-train: --config={path}: ") and expected in lines[-1], lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,expected", [
+    (("--config.model.nonexistent=1",), "config.model.nonexistent: unknown key; config.model has: attention_impl, "),
+    (("--config.nonexistent.foo=1",), "config.nonexistent: unknown key; config has: advantage, agent, "),
+    (("--config.env.options.opz=1",), "config.env.options.opz: unknown key (did you mean 'ops'?); config.env.options "
+                                      "has: "),
+    (("--config.rl.steps.x=1",), "config.rl.steps.x: config.rl.steps is a value (40), not a section"),
+    # None from the command line (ml-collections parses a value as the key's type): accepted, so the run stops
+    # at the next key
+    (("--config.loss.is_cap=None", "--config.model.param_dtype=None", "--config.rl.micro_batch_tokens=None",
+      "--config.rl.tasks_per_step=-1"), "config.rl.tasks_per_step=-1 is out of range; allowed: > 0"),
+    ((), None),
+])
+def test_cli_overrides_unknown_keys_and_none(overrides, expected):
+    if expected is None:  # the experiment's variant argument: get_config's own error, not ml-collections'
+        proc, _ = _train_cli(config="experiments/quickstart.py:nope")
+        expected = ("--config=experiments/quickstart.py:nope: get_config raised ValueError: experiments/quickstart.py "
+                    "takes no argument or 'cpu', got 'nope'")
+    else:
+        proc, _ = _train_cli(*overrides)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("agentfly-train: " + expected), lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,expected", [
+    (("--config.mesh.tensor=3",), "config.mesh: mesh {'data': 1, 'tensor': 3} (and fsdp=-1, the rest) needs a "
+                                  "multiple of 3 devices but "),  # 1 device, or the suite's 8 fake ones
+    (("--config.model.vocab_size=10",), "config.model.vocab_size=10 but the tokenizer has "),
+])
+def test_cli_setup_problems_are_one_line(overrides, expected, tmp_path):
+    """Found while building the run (the devices, the tokenizer), not by the config alone."""
+    proc, _ = _train_cli(*overrides, "--config.progress=False", f"--config.workdir={tmp_path}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("agentfly-train: " + expected), lines
 
 
 # The bad values an attack pass fed the trainer (some used to fail only after SFT and the first evaluation, some
@@ -201,6 +269,18 @@ ATTACK_TABLE = [
     ("model", "hidden_size", -128, "> 0"), ("optimizer", "learning_rate", -1.0, "> 0"),
     ("checkpoint", "keep", 0, "> 0"), ("loss", "temperature", 0.0, "> 0"), (None, "seed", -1, ">= 0"),
     (None, "max_nonfinite_steps", 0, "> 0"), ("sft", "optimizer", {"learning_rate": 0.0}, "> 0"),
+    # a second pass: accepted before, each then failing with a traceback or doing something else than asked
+    ("mesh", "data", 0, "> 0"), ("mesh", "tensor", 0, "> 0"),
+    ("mesh", "fsdp", 0, ">= 1, or -1 (every remaining device)"),
+    ("agent", "max_observation_chars", -10, "None (no limit) or >= 1"),
+    ("agent", "max_concurrency", 0, "None (no limit) or >= 1"),
+    ("agent", "tool_timeout", -5.0, "None or positive seconds"),
+    ("agent", "stop_token_ids", (-1,), "None or token ids >= 0"),
+    ("jax_sampler", "max_len", 0, "None (the context bucket) or >= 2"),
+    ("optimizer", "end_lr_ratio", 5.0, "in [0, 1] (the decay's end, a fraction of learning_rate)"),
+    ("sft", "stages", ((10, 1.5),), "(steps >= 1, expert fraction in [0, 1]) pairs"),
+    ("sft", "stages", ((-10, 0.5),), "(steps >= 1, expert fraction in [0, 1]) pairs"),
+    ("loss", "clip_eps_high", -0.5, "> 0"), ("model", "head_dim", -4, "None (hidden_size / num_heads) or > 0"),
 ]
 
 
