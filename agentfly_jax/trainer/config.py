@@ -536,6 +536,12 @@ class TrainConfig:
                               "task's group of chains, and a group of one gets advantage 0 (nothing is learned); "
                               "use chains_per_task >= 2, or an algorithm without a group baseline "
                               "('reinforce_pp', 'ppo')")
+        if (self.agent.temperature == 0 and self.rl.steps and self.rl.chains_per_task > 1
+                and get_recipe(self.algorithm).group_baseline):
+            raise ConfigError(f"config.agent.temperature=0 samples greedily, so the {self.rl.chains_per_task} chains "
+                              f"of a task are the same and algorithm {self.algorithm!r} (a group baseline) gets "
+                              "advantage 0 everywhere: train at temperature > 0 (e.g. 1.0); config.eval.temperature "
+                              "sets the evaluation's")
         if self.rl.dynamic_sampling and self.rl.chains_per_task == 1:
             raise ConfigError("config.rl.dynamic_sampling=True with config.rl.chains_per_task=1: every group of one "
                               "has equal rewards and would be dropped; use chains_per_task >= 2")

@@ -110,6 +110,7 @@ def test_out_of_range_is_refused_before_any_model_work(monkeypatch, tmp_path):
     (lambda d: d.update(backend="vllm"), "config.backend='vllm' needs config.vllm.urls"),
     (lambda d: d["env"].update(name=""), "config.env.name is empty and config.task.train_path is empty"),
     (lambda d: d["model"].update(num_kv_heads=3), "config.model.num_kv_heads=3 must divide num_heads=4"),
+    (lambda d: d["agent"].update(temperature=0.0), "config.agent.temperature=0 samples greedily, so the 8 chains"),
     (lambda d: d["model"].update(hidden_size=130),
      "config.model.hidden_size=130 is not a multiple of num_heads=4: change one, or set config.model.head_dim"),
 ])
