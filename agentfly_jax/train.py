@@ -53,13 +53,14 @@ def main(argv) -> None:
         _die(str(e))
     except KeyboardInterrupt as e:  # the watchdog's interrupt can come as soon as it runs (the end of `start`)
         _stopped_by_another(e)
+    from agentfly_jax.trainer.batch import NoChainsLeftError
     from agentfly_jax.trainer.loop import NonFiniteTrainingError, train  # after validation: keeps --help fast
 
     try:
         summary = train(typed)
     except ConfigError as e:  # found while building the run (environment, tools, pools), before training
         _die(str(e))
-    except NonFiniteTrainingError as e:  # the run stopped itself; its scalars and earlier checkpoints are kept
+    except (NonFiniteTrainingError, NoChainsLeftError) as e:  # the run stopped itself; scalars, checkpoints kept
         _die(f"training stopped: {e}", code=1)
     except distributed.DistributedError as e:  # another process of the run was lost or failed (docs/tpu.md)
         _die(f"training stopped: {e}", code=1)

@@ -244,7 +244,7 @@ class Reward:
         except CallRaisedBaseException as error:  # SystemExit, KeyboardInterrupt, ... from the reward's code
             return _failed("exception", f"reward '{self.name}' raised {error}")
         except Exception as error:  # noqa: BLE001 - a failing reward is data, not a dead rollout
-            return _failed("exception", f"{type(error).__name__}: {error}")
+            return _failed("exception", f"reward '{self.name}' raised {type(error).__name__}: {error}")
         try:
             return self._result_of(value)
         except Exception as error:  # noqa: BLE001 - e.g. a __float__ that raises

@@ -352,6 +352,12 @@ async def _chain_turns(
             if not result.ok:
                 state.tool_errors[result.error_kind] += 1
                 stats.tool_errors[result.error_kind] += 1
+                if result.error_kind == "tool_exception" and not result.abandoned:  # the tool's fault, not the model's
+                    first = stats.tool_errors["tool_exception"] == 1
+                    (logger.warning if first else logger.debug)(
+                        "chain %s: %s%s", state.key, result.error,
+                        " (the first tool exception of this rollout; the rest are counted in tool_errors/"
+                        "tool_exception)" if first else "")
             if result.abandoned:
                 stats.tools_abandoned += 1
                 logger.warning(

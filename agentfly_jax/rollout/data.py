@@ -91,9 +91,16 @@ def load_tasks(path: str | Path, *, reward: Reward | Any = None, limit: int | No
     """
     path = Path(path)
     source = str(path)
+    if path.is_dir():
+        raise DatasetError(f"{source}: a directory, not a dataset file (a .json or .jsonl file)")
     if not path.is_file():
         raise DatasetError(f"{source}: no such dataset file")
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is not part of the first row
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise DatasetError(f"{source}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES or (suffix != ".json" and not text.lstrip().startswith("[")):
         rows, lines = _parse_jsonl(text, source)
@@ -108,9 +115,11 @@ def load_tasks(path: str | Path, *, reward: Reward | Any = None, limit: int | No
             raise DatasetError(f"{source}:{line}: each row must be a JSON object, got {type(row).__name__}")
         question = row.get("question")
         if not isinstance(question, str) or not question.strip():
+            got = ("missing" if "question" not in row else
+                   f"got {type(question).__name__} {question!r}"[:80] if not isinstance(question, str) else "empty")
             raise DatasetError(
-                f"{source}:{line}: the row needs a non-empty string 'question' field "
-                f"(fields: {', '.join(sorted(row)) or 'none'})"
+                f"{source}:{line}: the row needs a non-empty string 'question' field ({got}; "
+                f"fields: {', '.join(sorted(row)) or 'none'})"
             )
     reward_fn = as_reward(reward)
     if reward_fn is not None:

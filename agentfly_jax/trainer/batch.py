@@ -102,11 +102,15 @@ def drop_failed_chains(trajectories: Sequence[Any]) -> tuple[list, list]:
     return kept, dropped
 
 
-def no_chains_left_error(dropped: Sequence[Any], step: int) -> RuntimeError:
+class NoChainsLeftError(RuntimeError):
+    """Every chain of an RL step ended in a runtime error (e.g. prompts longer than the context): the run stops."""
+
+
+def no_chains_left_error(dropped: Sequence[Any], step: int) -> NoChainsLeftError:
     """The error for a step whose every chain ended in a runtime error: there is nothing to train on."""
     first = next((t.metrics.get("error") for t in dropped if t.metrics.get("error")), "no error recorded")
-    return RuntimeError(f"RL step {step}: all {len(dropped)} chains ended in a runtime error (chain_error), so "
-                        f"there is nothing to train on; the first error: {first}")
+    return NoChainsLeftError(f"RL step {step}: all {len(dropped)} chains ended in a runtime error (chain_error), "
+                             f"so there is nothing to train on; the first error: {first}")
 
 
 def choose_bucket(length: int, buckets: Sequence[int]) -> int:

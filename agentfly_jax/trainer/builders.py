@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import random
+import traceback
 from typing import Any
 
 import jax
@@ -54,6 +55,13 @@ def build_task_setup(cfg: TrainConfig) -> TaskSetup:
         raise ConfigError(f"config.env: {e}") from None
     if cfg.agent.tools:
         tools = [_resolve_named(t, "config.agent.tools", Tool) for t in cfg.agent.tools]
+        named: dict[str, str] = {}
+        for entry, t in zip(cfg.agent.tools, tools):
+            other = named.setdefault(t.name, entry)
+            if other != entry and (t.func, t._instance) != next(
+                    (u.func, u._instance) for e, u in zip(cfg.agent.tools, tools) if e == other):
+                raise ConfigError(f"config.agent.tools: {other!r} and {entry!r} are both named {t.name!r}; the "
+                                  "model calls tools by name: give one of them @tool(name=...)")
     else:
         tools = list(spec.tools if spec else [])
     reward = _resolve_named(cfg.agent.reward, "config.agent.reward", Reward) if cfg.agent.reward else spec.reward
@@ -90,9 +98,36 @@ def _import_path(path: str, where: str, what: str):
     """The object at import path 'package.module:name'; a ConfigError starting with `where` otherwise."""
     module_name, _, attr = path.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name != e.name and not module_name.startswith(e.name + "."):
+            raise ConfigError(f"{where}: importing {module_name} needs the module {e.name!r}, which is not "
+                              "installed") from None
         raise ConfigError(f"{where} cannot be imported ({e}); expected 'package.module:{what}'") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say where, in one line
+        raise ConfigError(f"{where}: importing {module_name} failed: {type(e).__name__}: {e}"
+                          f"{_user_frame(e)}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError as e:
+        raise ConfigError(f"{where} cannot be imported ({e}); expected 'package.module:{what}'") from None
+
+
+def _user_frame(error: BaseException) -> str:
+    """' (file:line)' of the innermost frame of the error's traceback outside this package and the standard
+    library: the line of the user's code that raised it."""
+    import agentfly_jax
+
+    own = os.path.dirname(os.path.abspath(agentfly_jax.__file__))
+    stdlib = os.path.dirname(os.path.abspath(os.__file__))
+    where = ""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f" ({error.filename}:{error.lineno})"
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((own, stdlib)) and not path.startswith("<"):
+            where = f" ({path}:{lineno})"
+    return where
 
 
 def _resolve_named(name: str, key: str, kind: type):
@@ -127,10 +162,62 @@ def build_tasks(cfg: TrainConfig, setup: TaskSetup) -> tuple[list[dict], list[di
 
     try:
         train = load_tasks(task.train_path, reward=setup.reward, limit=task.num_train or None)
-        heldout = load_tasks(task.eval_path, reward=setup.reward, limit=task.num_eval) if task.num_eval else []
+        # a held-out file is read (and checked) even when no row of it is used (num_eval=0)
+        heldout = load_tasks(task.eval_path, reward=setup.reward) if task.eval_path else []
     except ValueError as e:  # malformed rows, or a reward field the rows lack: the message names file:line
         raise ConfigError(f"config.task: {e}") from None
-    return train, heldout
+    for key, path, rows, wanted in (("num_train", task.train_path, train, task.num_train),
+                                    ("num_eval", task.eval_path, heldout, task.num_eval)):
+        if wanted and len(rows) < wanted:
+            log.warning("config.task.%s=%d but %s has %d rows: using those %d", key, wanted, path, len(rows),
+                        len(rows))
+    return train, heldout[:task.num_eval]
+
+
+def read_sft_conversations(path: str) -> list[list[dict]]:
+    """The conversations of a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} rows; a ConfigError
+    naming the file and line for anything unreadable, and when no row has an assistant message to learn from (rows
+    without one are left out, with a warning)."""
+    where = f"config.sft.data_path={path!r}"
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it ({e.strerror or e})") from None
+    conversations, silent = [], []
+    for number, data in enumerate(raw, start=1):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{number}: invalid JSON: {e.msg} (column {e.colno})") from None
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ConfigError(f"{path}:{number}: expected an object with a non-empty 'messages' list, got "
+                              f"{type(row).__name__ if not isinstance(row, dict) else 'keys ' + str(sorted(row))}")
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ConfigError(f"{path}:{number}: message {k} must be an object with a string 'role' "
+                                  f"(system, user, assistant or tool), got {m!r}"[:300])
+            if m["role"] == "assistant" and not m.get("content") and not m.get("tool_calls"):
+                raise ConfigError(f"{path}:{number}: message {k} is an assistant message with neither 'content' "
+                                  "nor 'tool_calls': nothing to learn from it")
+        if any(m["role"] == "assistant" for m in messages):
+            conversations.append(messages)
+        else:
+            silent.append(number)
+    if not conversations:
+        raise ConfigError(f"{where}: no row has an assistant message (SFT learns the assistant's turns): "
+                          f"{len(silent)} rows without one")
+    if silent:
+        log.warning("%s: %d rows have no assistant message and are left out (lines %s%s)", path, len(silent),
+                    ", ".join(map(str, silent[:5])), ", ..." if len(silent) > 5 else "")
+    return conversations
 
 
 def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict],
@@ -142,12 +229,7 @@ def sft_conversations(cfg: TrainConfig, setup: TaskSetup, train_tasks: list[dict
     (learn the call format), then a mix in which the rest show the environment's weaker behaviour."""
     sft = cfg.sft
     if sft.data_path:
-        with open(sft.data_path) as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        bad = [i + 1 for i, r in enumerate(rows) if not isinstance(r.get("messages"), list)]
-        if bad:
-            raise ConfigError(f"{sft.data_path}: lines {bad[:5]} have no 'messages' list")
-        return [(sft.steps, [r["messages"] for r in rows])]
+        return [(sft.steps, read_sft_conversations(sft.data_path))]
     stages = sft.stages
     if sft.steps:  # steps without data_path: one stage of the environment's demonstrations
         stages = ((sft.steps, 1.0 if sft.expert_fraction is None else sft.expert_fraction),)

@@ -47,8 +47,8 @@ from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.rollout.trajectory import Trajectory, images_to_batch
 from agentfly_jax.trainer import builders, distributed
 from agentfly_jax.trainer.async_rollouts import RolloutProducer, ThreadedRunner, staleness_filter
-from agentfly_jax.trainer.batch import (UpdateBatch, assign_minibatches, choose_bucket, drop_failed_chains,
-                                       no_chains_left_error, pack_step, place_block, rows_needed,
+from agentfly_jax.trainer.batch import (NoChainsLeftError, UpdateBatch, assign_minibatches, choose_bucket,
+                                       drop_failed_chains, no_chains_left_error, pack_step, place_block, rows_needed,
                                        unpack_index_from)
 from agentfly_jax.trainer.checkpoint import Checkpointer
 from agentfly_jax.trainer.config import ConfigError, OptimizerConfig, TrainConfig
@@ -647,9 +647,10 @@ def _make_batch_processes(run: Run, trajectories, step: int, chain_error: list |
     total = sum(s["n"] for s in shared)
     if not total:  # every process stops alike: no process has a chain to train on
         errors = [s["error"] for s in shared if s["error"]]
-        raise RuntimeError(f"RL step {step}: all {sum(e[0] for e in errors)} chains of the {len(shared)} processes "
-                           "ended in a runtime error (chain_error), so there is nothing to train on; process "
-                           f"{shared.index(next(s for s in shared if s['error']))} said: {errors[0][1]}")
+        raise NoChainsLeftError(f"RL step {step}: all {sum(e[0] for e in errors)} chains of the {len(shared)} "
+                                "processes ended in a runtime error (chain_error), so there is nothing to train on; "
+                                f"process {shared.index(next(s for s in shared if s['error']))} said: "
+                                f"{errors[0][1]}")
     if any(s["images"] for s in shared):
         raise ConfigError(f"RL step {step}: trajectories with images are trained by one process only (each "
                           "micro-batch's images go to every device whole, which the processes' blocks of rows do not "
@@ -894,7 +895,7 @@ def train(config, workdir: str | None = None) -> dict:
                    "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"),
                    "success_before_sft": before_sft.get("eval_before_sft/success"),
                    "reward_before_sft": before_sft.get("eval_before_sft/reward"),
-                   "eval_episodes": cfg.eval.num_tasks * cfg.eval.num_chains,
+                   "eval_episodes": len(run.eval_tasks[:cfg.eval.num_tasks]) * cfg.eval.num_chains,
                    "success_before_sampled": before.get("eval/success_sampled"),
                    "success_after_sampled": after.get("eval/success_sampled"),
                    "eval_temperature": cfg.eval.temperature, "eval_top_p": cfg.eval.top_p,

@@ -185,7 +185,7 @@ ERROR_TURNS = [
 ]
 
 
-def test_chain_keeps_going_after_every_tool_error_kind(qwen_tokenizer):
+def test_chain_keeps_going_after_every_tool_error_kind(qwen_tokenizer, caplog):
     assert {kind for kind, _, _ in ERROR_TURNS} == set(TOOL_ERROR_KINDS)
     replies = [text for _, text, _ in ERROR_TURNS] + ["Recovered: \\boxed{3}"]
     backend = FakeScriptedBackend(qwen_tokenizer, scripted(replies))
@@ -199,10 +199,14 @@ def test_chain_keeps_going_after_every_tool_error_kind(qwen_tokenizer):
         max_turns=20,
         max_context_tokens=16384,
     )
-    [trajectory] = run(agent, [{"question": "1+2?", "answer": 3}])
+    with caplog.at_level("WARNING", logger="agentfly_jax.rollout.chain"):
+        [trajectory] = run(agent, [{"question": "1+2?", "answer": 3}])
     assert trajectory.finish_reason == "stop" and trajectory.num_turns == len(replies)
     assert trajectory.reward == 1.0
     assert [record.error.split(":")[0] for record in trajectory.tool_call_records] == [k for k, _, _ in ERROR_TURNS]
+    # the user's tool raising is logged (its first time in a rollout); the model's own bad calls are only counted
+    raised = [r.getMessage() for r in caplog.records if "raised RuntimeError: boom: test" in r.getMessage()]
+    assert len(raised) == 1 and "tool 'explode' raised" in raised[0], caplog.text
     for kind in TOOL_ERROR_KINDS:
         assert trajectory.metrics[f"tool_errors/{kind}"] == 1
         assert agent.last_run_stats[f"tool_errors/{kind}"] == 1
@@ -302,7 +306,8 @@ def test_reward_failure_is_flagged_and_counted(qwen_tokenizer):
     ok, failed = run(agent, [{"question": "a", "answer": 1}, {"question": "b", "answer": -1}])
     assert ok.reward == 1.0 and "reward_failed" not in ok.flags
     assert failed.reward == 0.0 and "reward_failed" in failed.flags
-    assert failed.reward_extras["reward_error"] == "ValueError: negative answers are not supported"
+    assert (failed.reward_extras["reward_error"]
+            == "reward 'fragile' raised ValueError: negative answers are not supported")
     assert agent.last_run_stats["reward_failures"] == 1 and agent.last_run_stats["reward_mean"] == 1.0
 
 

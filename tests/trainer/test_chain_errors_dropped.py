@@ -20,7 +20,7 @@ from agentfly_jax.rollout.agents import ToolCallingAgent
 from agentfly_jax.rollout.tokenizers import build_qwen2_5_tokenizer
 from agentfly_jax.tools import calculator
 from agentfly_jax.trainer import loop
-from agentfly_jax.trainer.batch import drop_failed_chains
+from agentfly_jax.trainer.batch import NoChainsLeftError, drop_failed_chains
 from agentfly_jax.trainer.config import TrainConfig
 from experiments import quickstart
 from tests.rollout.fakes import FakeScriptedBackend
@@ -126,9 +126,34 @@ def test_dynamic_sampling_never_trains_on_a_failed_chain(qwen_tokenizer):
 
 def test_a_step_whose_every_chain_failed_stops_with_the_first_error(qwen_tokenizer):
     run = make_run(qwen_tokenizer, {"x": ["error"], "y": ["error"]})
-    with pytest.raises(RuntimeError, match=r"RL step 5: all 4 chains ended in a runtime error .*ConnectionError: "
-                                           r"engine lost the request"):
+    with pytest.raises(NoChainsLeftError, match=r"RL step 5: all 4 chains ended in a runtime error .*ConnectionError: "
+                                                r"engine lost the request"):
         loop.rollout(run, step=5)
+
+
+def test_the_cli_says_a_step_without_chains_in_one_line(monkeypatch, capsys):
+    """agentfly-train ends such a run with status 1 and the error in one line ("training stopped: ..."), as it
+    does a run stopped by non-finite steps (the run itself is faked: the test above checks the error)."""
+    from absl import flags
+
+    from agentfly_jax import train as cli
+    from agentfly_jax.trainer import distributed
+    from experiments.quickstart import get_config
+
+    reason = ("RL step 0: all 4 chains ended in a runtime error (chain_error), so there is nothing to train on; "
+              "the first error: the prompt has 6266 tokens")
+
+    def no_chains(_config):
+        raise NoChainsLeftError(reason)
+
+    flags.FLAGS.mark_as_parsed()
+    monkeypatch.setattr(flags.FLAGS["config"], "value", get_config("cpu"))
+    monkeypatch.setattr(distributed, "start", lambda _config: None)
+    monkeypatch.setattr(loop, "train", no_chains)
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["agentfly-train"])
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"agentfly-train: training stopped: {reason}"
 
 
 def test_fewer_chains_left_than_mini_batches_make_no_empty_mini_batch(qwen_tokenizer):

@@ -267,3 +267,113 @@ def test_trainer_wiring_runs_chains_whose_tool_calls_reach_convert_units(tokeniz
         assert [(c.name, c.error) for c in trajectory.tool_call_records] == [("convert_units", None)]
         assert trajectory.reward == 1.0, trajectory.reward_extras
     assert agent.last_run_stats["tool_calls"] == 6 and agent.last_run_stats["tool_errors"] == 0
+
+
+# ------------------------------------------------------------------- a second attack pass: user code and files
+USER_MODULES = {  # module source -> what the one-line error says
+    "p_nohints": ("from agentfly_jax.tools import tool\n\n@tool\ndef nohints(x, y):\n    '''Adds.'''\n    return x\n",
+                  "tool", "importing p_nohints failed: ToolDefinitionError: tool 'nohints': parameter 'x' has no "
+                          "type hint"),
+    "p_posonly": ("from agentfly_jax.rewards import reward\n\n@reward\ndef posonly(prediction, answer, /):\n"
+                  "    return 1.0\n", "reward", "importing p_posonly failed: TypeError: "),
+    "p_raises": ("raise RuntimeError('no config here')\n", "tool", "importing p_raises failed: RuntimeError: no config "
+                                                                  "here ("),
+    "p_syntax": ("def broken(:\n", "tool", "importing p_syntax failed: SyntaxError: "),
+    "p_needs": ("import not_installed_package_xyz\n", "tool", "importing p_needs needs the module "
+                                                              "'not_installed_package_xyz', which is not installed"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(USER_MODULES))
+def test_a_user_module_that_fails_to_import_is_one_config_error(module, tmp_path, monkeypatch):
+    source, kind, expected = USER_MODULES[module]
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = "nohints" if module == "p_nohints" else "posonly" if module == "p_posonly" else "x"
+    c = cpu_config(**({"tools": (f"{module}:{name}",)} if kind == "tool" else {"reward": f"{module}:{name}"}))
+    with pytest.raises(ConfigError) as error:
+        builders.build_task_setup(TrainConfig.build(c))
+    message = str(error.value)
+    assert message.startswith(f"config.agent.{kind}{'s' if kind == 'tool' else ''}: ") and expected in message
+    assert "\n" not in message
+    if module in ("p_raises", "p_syntax"):  # the user's own line
+        assert f"{tmp_path / module}.py:1)" in message
+
+
+def test_two_tools_of_one_name_are_refused_naming_both_entries(tmp_path, monkeypatch):
+    (tmp_path / "p_dup.py").write_text("from agentfly_jax.tools import tool\n\n@tool(name='convert_units')\n"
+                                       "def fake(value: float) -> str:\n    '''Converts.'''\n    return ''\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = "experiments.custom_task_example.tools:convert_units"
+    with pytest.raises(ConfigError, match=re.escape(f"config.agent.tools: {real!r} and 'p_dup:fake' are both named "
+                                                    "'convert_units'")):
+        builders.build_task_setup(TrainConfig.build(cpu_config(tools=(real, "p_dup:fake"))))
+    assert builders.build_task_setup(TrainConfig.build(cpu_config(tools=(real, real)))).tools  # the same one twice
+
+
+SFT_FILES = {  # file content -> the error naming file:line (None: read fine, `rows` conversations)
+    "missing": (None, "cannot read it (No such file or directory)"),
+    "bad_json": ('{"messages": [{"role": "assistant", "content": "a"}]}\n\n{"messages": [}\n', "sft.jsonl:3: "
+                                                                                             "invalid JSON: "),
+    "a_list": ('[1, 2]\n', "sft.jsonl:1: expected an object with a non-empty 'messages' list, got list"),
+    "bad_role": ('{"messages": [{"text": "hi"}]}\n', "sft.jsonl:1: message 0 must be an object with a string 'role'"),
+    "empty_assistant": ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant"}]}\n',
+                        "sft.jsonl:1: message 1 is an assistant message with neither 'content' nor 'tool_calls'"),
+    "no_assistant": ('{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
+                     "no row has an assistant message (SFT learns the assistant's turns): 3 rows without one"),
+    "not_utf8": (b'{"messages": [{"role": "user", "content": "\xff"}]}\n', "sft.jsonl:1: not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SFT_FILES))
+def test_sft_data_file_problems_name_the_file_and_line(case, tmp_path):
+    content, expected = SFT_FILES[case]
+    path = tmp_path / "sft.jsonl"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as error:
+        builders.read_sft_conversations(str(path))
+    assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_sft_rows_without_an_assistant_turn_are_left_out_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "sft.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path.write_text("\n".join(json.dumps(r) for r in (good, {"messages": [{"role": "user", "content": "hi"}]}, good)))
+    with caplog.at_level("WARNING"):
+        assert builders.read_sft_conversations(str(path)) == [good["messages"]] * 2
+    assert "1 rows have no assistant message and are left out (lines 2)" in caplog.text
+
+
+def test_a_held_out_file_is_read_even_when_unused_and_a_short_one_is_said(tmp_path, caplog):
+    c = cpu_config()
+    c.task.eval_path = str(tmp_path / "nope.jsonl")
+    c.task.num_eval, c.eval.num_tasks = 0, 0
+    cfg = TrainConfig.build(c)
+    with pytest.raises(ConfigError, match="nope.jsonl: no such dataset file"):
+        builders.build_tasks(cfg, builders.build_task_setup(cfg))
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"question": "1 km in m?", "answer": 1000}\n{"question": "2 km in m?", "answer": 2000}\n')
+    c.task.eval_path, c.task.num_eval = str(two), 4
+    cfg = TrainConfig.build(c)
+    with caplog.at_level("WARNING"):
+        _, heldout = builders.build_tasks(cfg, builders.build_task_setup(cfg))
+    assert len(heldout) == 2 and f"config.task.num_eval=4 but {two} has 2 rows: using those 2" in caplog.text
+
+
+def test_task_file_problems_name_the_line(tmp_path):
+    from agentfly_jax.rollout.data import DatasetError, load_tasks
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"question": "a", "answer": 1}\n{"question": "b\xff", "answer": 2}\n')
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:2: not UTF-8 text")):
+        load_tasks(path)
+    path.write_text('{"question": 42, "answer": 1}\n')
+    with pytest.raises(DatasetError, match=re.escape("'question' field (got int 42; fields: answer, question)")):
+        load_tasks(path)
+    with pytest.raises(DatasetError, match="a directory, not a dataset file"):
+        load_tasks(tmp_path)
+    path.write_bytes('\ufeff{"question": "a", "answer": 1}\n'.encode())  # a byte-order mark
+    assert load_tasks(path) == [{"question": "a", "answer": 1}]
