@@ -55,11 +55,10 @@ def build_task_setup(cfg: TrainConfig) -> TaskSetup:
         raise ConfigError(f"config.env: {e}") from None
     if cfg.agent.tools:
         tools = [_resolve_named(t, "config.agent.tools", Tool) for t in cfg.agent.tools]
-        named: dict[str, str] = {}
+        seen: dict[str, tuple[str, Tool]] = {}
         for entry, t in zip(cfg.agent.tools, tools):
-            other = named.setdefault(t.name, entry)
-            if other != entry and (t.func, t._instance) != next(
-                    (u.func, u._instance) for e, u in zip(cfg.agent.tools, tools) if e == other):
+            other, first = seen.setdefault(t.name, (entry, t))
+            if (first.func, first._instance) != (t.func, t._instance):
                 raise ConfigError(f"config.agent.tools: {other!r} and {entry!r} are both named {t.name!r}; the "
                                   "model calls tools by name: give one of them @tool(name=...)")
     else:
