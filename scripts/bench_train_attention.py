@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         seg = jnp.asarray(segment_ids_for(rng, B, T, segments, args.pad))
         variants = [(name, m or segments + (1 if args.pad else 0))
                     for name in args.impls
-                    for m in (args.max_segments if name.startswith("cudnn_packed") or name == "cudnn_segments" else [0])]
+                    for m in (args.max_segments if name in ("cudnn_segments", "cudnn_packed_kernel") else [0])]
         keys = jax.random.split(jax.random.key(segments), 4)
         q = jax.random.normal(keys[0], (B, T, H, D), dtype)
         k = jax.random.normal(keys[1], (B, T, K, D), dtype)

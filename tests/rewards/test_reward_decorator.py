@@ -96,7 +96,8 @@ def test_raising_and_hanging_rewards_give_zero_not_an_exception():
         raise KeyError("no such thing")
 
     result = score(raises, "x")
-    assert (result.reward, result.ok) == (0.0, False) and result.error == "reward 'raises' raised KeyError: 'no such thing'"
+    assert (result.reward, result.ok) == (0.0, False)
+    assert result.error == "reward 'raises' raised KeyError: 'no such thing'"
 
     @reward(timeout=0.05)
     async def hangs(prediction: str) -> float:
