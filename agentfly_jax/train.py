@@ -41,8 +41,8 @@ def main(argv) -> None:
     if type(config).__name__ == "_ErrorConfig":  # ml-collections defers an OSError of loading the file
         error = object.__getattribute__(config, "_error")
         _die(f"--config={_config_spec(sys.argv)}: loading it failed: {type(error).__name__}: {error}")
-    for key in _NONE_OVERRIDES:  # --config.key=None: ml-collections would parse "None" as the field's type
-        _set(config, key, None)
+    for arg in _none_overrides(sys.argv):  # ml-collections would parse "None" as the key's type: set here
+        _set(config, arg[len("--config."):-len("=None")], None)
     from agentfly_jax.trainer import distributed
     from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
@@ -89,9 +89,6 @@ def _die(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-_NONE_OVERRIDES: list[str] = []  # keys of --config.key=None, set after parsing (`main`)
-
-
 def _config_spec(argv: list[str]) -> str | None:
     """The --config flag's value (PATH[:ARG]) in argv, or None."""
     for i, a in enumerate(argv):
@@ -125,6 +122,11 @@ def _check_config_file(spec: str) -> None:
     if "get_config" not in names:
         _die(f"--config={spec}: {path} defines no get_config() (an experiment file returns its ConfigDict from "
              "get_config(arg=None))")
+
+
+def _none_overrides(argv: list[str]) -> list[str]:
+    """The `--config.key=None` arguments: absl does not see them, `main` sets those keys to None."""
+    return [a for a in argv[1:] if a.startswith("--config.") and a.endswith("=None")]
 
 
 def _raised_in(error: BaseException, path: str) -> int | None:
@@ -177,15 +179,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
     spec = _config_spec(argv)
     if spec is not None:
         _check_config_file(spec)
-    _NONE_OVERRIDES[:] = [a[len("--config."):].split("=", 1)[0] for a in argv[1:]
-                          if a.startswith("--config.") and a.endswith("=None")]
     overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
-    unknown = _unknown_override(spec, overrides) if spec is not None and overrides else None
-    if unknown:
-        _die(unknown)
-    parse = [a for a in argv if not (a.startswith("--config.") and a.endswith("=None"))]
+    nones = _none_overrides(argv)
+    if spec is not None and nones:  # keys absl will not see: checked here
+        unknown = _unknown_override(spec, [a.split("=", 1)[0] for a in nones])
+        if unknown:
+            _die(unknown)
     try:
-        return flags.FLAGS(parse)
+        return flags.FLAGS([a for a in argv if a not in nones])
     except Exception as e:  # noqa: BLE001 - every failure becomes one line naming what was wrong
         text = str(e)
         if "Error whilst parsing config file" in text:  # get_config raised (ml-collections keeps its traceback)
@@ -195,6 +196,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
         line = _raised_in(e, path) if path else None
         if line is not None:
             _die(f"--config={spec}: get_config raised {type(e).__name__}: {e} ({path}:{line})")
+        # an override naming a key the config lacks: the config is loaded once more, only now, to say which
+        unknown = _unknown_override(spec, overrides) if spec is not None and overrides else None
+        if unknown:
+            _die(unknown)
         if isinstance(e, flags.Error):
             _die(text.splitlines()[0])
         if not isinstance(e, (AttributeError, KeyError, TypeError, ValueError)):
