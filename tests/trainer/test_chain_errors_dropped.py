@@ -131,27 +131,17 @@ def test_a_step_whose_every_chain_failed_stops_with_the_first_error(qwen_tokeniz
         loop.rollout(run, step=5)
 
 
-def test_the_cli_says_a_step_without_chains_in_one_line(monkeypatch, capsys):
+def test_the_cli_says_a_step_without_chains_in_one_line(faked_cli, capsys):
     """agentfly-train ends such a run with status 1 and the error in one line ("training stopped: ..."), as it
     does a run stopped by non-finite steps (the run itself is faked: the test above checks the error)."""
-    from absl import flags
-
-    from agentfly_jax import train as cli
-    from agentfly_jax.trainer import distributed
-    from experiments.quickstart import get_config
-
     reason = ("RL step 0: all 4 chains ended in a runtime error (chain_error), so there is nothing to train on; "
               "the first error: the prompt has 6266 tokens")
 
     def no_chains(_config):
         raise NoChainsLeftError(reason)
 
-    flags.FLAGS.mark_as_parsed()
-    monkeypatch.setattr(flags.FLAGS["config"], "value", get_config("cpu"))
-    monkeypatch.setattr(distributed, "start", lambda _config: None)
-    monkeypatch.setattr(loop, "train", no_chains)
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["agentfly-train"])
+        faked_cli(no_chains)
     assert stopped.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"agentfly-train: training stopped: {reason}"
 

@@ -165,40 +165,28 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes_to_the_same_params
     assert len(norms) == run["rl.steps"] and min(norms) > 0, norms
 
 
-def test_the_cli_reports_a_lost_process_in_one_line(monkeypatch, capsys):
+def test_the_cli_reports_a_lost_process_in_one_line(faked_cli, capsys):
     """`agentfly-train` ends a run stopped by another process's loss or failure with status 1 and the
     ProcessLostError's line (the run itself is faked: the 2-process runs above check the error)."""
-    from absl import flags
-
-    from agentfly_jax import train as cli
-    from agentfly_jax.trainer import distributed, loop
-    from experiments.quickstart import get_config
+    from agentfly_jax.trainer import distributed
 
     reason = "process 1 of 2 failed: RuntimeError: boom; every process of this run stops"
 
     def lost(_config):
         raise distributed.ProcessLostError(reason)
 
-    flags.FLAGS.mark_as_parsed()
-    monkeypatch.setattr(flags.FLAGS["config"], "value", get_config("cpu"))
-    monkeypatch.setattr(distributed, "start", lambda _config: None)
-    monkeypatch.setattr(loop, "train", lost)
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["agentfly-train"])
+        faked_cli(lost)
     assert stopped.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"agentfly-train: training stopped: {reason}"
 
 
 @pytest.mark.parametrize("where", ["start", "train"])
-def test_the_cli_reports_a_stop_that_interrupts_it_outside_the_loop(monkeypatch, capsys, where):
+def test_the_cli_reports_a_stop_that_interrupts_it_outside_the_loop(monkeypatch, faked_cli, capsys, where):
     """The watchdog's interrupt can reach the main thread as soon as the watchdog runs (the end of
     `distributed.start`), before the trainer's loop handles errors itself: the CLI then ends as from inside the loop
     (status 1, the ProcessLostError's line), and a Ctrl-C that no other process caused stays a KeyboardInterrupt."""
-    from absl import flags
-
-    from agentfly_jax import train as cli
-    from agentfly_jax.trainer import distributed, loop
-    from experiments.quickstart import get_config
+    from agentfly_jax.trainer import distributed
 
     reason = "process 0 of 2 failed: DistributedError: process 1 of 2 did not publish its share of exchange 1"
     verdict = {"lost": distributed.ProcessLostError(reason)}
@@ -206,15 +194,12 @@ def test_the_cli_reports_a_stop_that_interrupts_it_outside_the_loop(monkeypatch,
     def interrupted(_config):
         raise KeyboardInterrupt
 
-    flags.FLAGS.mark_as_parsed()
-    monkeypatch.setattr(flags.FLAGS["config"], "value", get_config("cpu"))
-    monkeypatch.setattr(distributed, "start", interrupted if where == "start" else (lambda _config: None))
-    monkeypatch.setattr(loop, "train", interrupted)
     monkeypatch.setattr(distributed, "stopped_by", lambda exc: verdict["lost"])
+    start = interrupted if where == "start" else None
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["agentfly-train"])
+        faked_cli(interrupted, start)
     assert stopped.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"agentfly-train: training stopped: {reason}"
     verdict["lost"] = None  # a Ctrl-C of the user's (told to the other processes by stopped_by): raised on
     with pytest.raises(KeyboardInterrupt):
-        cli.main(["agentfly-train"])
+        faked_cli(interrupted, start)
