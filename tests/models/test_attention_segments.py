@@ -185,6 +185,22 @@ def test_einsum_path_ignores_the_setting():
                                   np.asarray(transformer.dot_product_attention(q, kv, kv, attention_mask(seg), "xla")))
 
 
+def test_default_takes_the_packed_kernel_and_zero_the_mask(fake_cudnn):
+    """The default bound (8, the trainer's too) hands cuDNN the packed layout; 0 keeps the dense mask."""
+    from agentfly_jax.trainer.config import ModelSection
+    assert ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                       num_kv_heads=1).attention_segments == ModelSection().attention_segments == 8
+    rng = np.random.default_rng(9)
+    ids, positions, seg = _batch(rng)
+    params = init_params(CausalLM(CFG.replace(attention_impl="xla")), jax.random.PRNGKey(0))
+    want = np.asarray(CausalLM(CFG.replace(attention_impl="xla")).apply({"params": params}, ids, positions, seg))
+    for bound, kernel in ((CFG.attention_segments, "packed"), (0, "dense")):
+        fake_cudnn.clear()
+        got = CausalLM(CFG.replace(attention_segments=bound)).apply({"params": params}, ids, positions, seg)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+        assert set(fake_cudnn) == {kernel}
+
+
 def test_config_rejects_a_negative_bound():
     with pytest.raises(ValueError, match="attention_segments"):
         CFG.replace(attention_segments=-1)
