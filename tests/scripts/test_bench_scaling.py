@@ -53,6 +53,7 @@ def test_bench_scaling_short(tmp_path):
         assert 0 < phases["devices"] <= phases["state"] <= phases["compile"] <= phases["steps"] <= phases[
             "profile"] <= r["wall_s"]
         assert r["xla_flags"] == ""  # the workers' own device-count flag is not the caller's
+        assert r["attention_segments"] == 8  # ModelConfig's default, recorded (no effect on the CPU's einsum path)
     collectives = sharded["collectives"]
     assert collectives["all-gather"] > 0 and collectives["all-reduce"] > 0  # fsdp gathers, tensor all-reduces
     assert collectives["all-to-all"] == 0 and collectives["collective-permute"] == 0
