@@ -208,7 +208,9 @@ def _cudnn_packed(q, k, v, segment_ids, max_segments: int):
     """Causal attention within each run of `segment_ids` through cuDNN's packed-sequence layout (each row's
     segments as starts and lengths): blocks across segments and above the diagonal are skipped, and no [B, T, T]
     bias is read or differentiated. A batch with a row of more than `max_segments` runs takes the dense-mask
-    kernel instead (`lax.cond`: the same result, at the dense path's cost)."""
+    kernel instead (`lax.cond`: the same result, at the dense path's cost). A bound above the row length is
+    lowered to it (a row of T tokens has at most T runs; cuDNN's work grows with the bound)."""
+    max_segments = min(max_segments, segment_ids.shape[1])
     lengths, offsets, runs = segment_layout(segment_ids, max_segments)
     return jax.lax.cond(runs <= max_segments,
                         lambda q, k, v: _packed_kernel(q, k, v, lengths, offsets),

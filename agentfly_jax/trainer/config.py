@@ -141,7 +141,7 @@ class ModelSection:
     attention_impl: str = knob("auto", *_one_of("auto", "xla", "cudnn"))
     # cuDNN attention over packed rows: up to N segments a row (the padding's run counted) described to cuDNN as
     # starts and lengths instead of a dense [T, T] mask; a batch with a fuller row uses the mask (models/config.py).
-    # 0: always the mask. 8 took the update step from 308 to 297 ms at Qwen2.5-3B on an H200 (docs/benchmarks.md)
+    # 0: always the mask. 8 took the update step from 308 to 296 ms at Qwen2.5-3B on an H200 (docs/benchmarks.md)
     attention_segments: int = knob(8, *NON_NEGATIVE)
     # how XLA emits the matrix products of the update phase's programs (prepare, the RL and SFT steps) on a GPU:
     # "cublas" (library GEMMs, faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions,

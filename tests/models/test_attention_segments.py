@@ -201,6 +201,21 @@ def test_default_takes_the_packed_kernel_and_zero_the_mask(fake_cudnn):
         assert set(fake_cudnn) == {kernel}
 
 
+def test_a_bound_above_the_row_length_is_lowered_to_it(fake_cudnn, monkeypatch):
+    """A row of T tokens has at most T runs: a larger bound (say 10**6) describes T slots, not a [B, T, 10**6]
+    layout."""
+    rng = np.random.default_rng(10)
+    ids, positions, seg = _batch(rng)  # rows of 24
+    seen = []
+    layout = transformer.segment_layout
+    monkeypatch.setattr(transformer, "segment_layout", lambda s, m: seen.append(m) or layout(s, m))
+    params = init_params(CausalLM(CFG.replace(attention_impl="xla")), jax.random.PRNGKey(0))
+    want = CausalLM(CFG.replace(attention_impl="xla")).apply({"params": params}, ids, positions, seg)
+    got = CausalLM(CFG.replace(attention_segments=10**6)).apply({"params": params}, ids, positions, seg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    assert seen and set(seen) == {24} and set(fake_cudnn) == {"packed"}
+
+
 def test_config_rejects_a_negative_bound():
     with pytest.raises(ValueError, match="attention_segments"):
         CFG.replace(attention_segments=-1)
