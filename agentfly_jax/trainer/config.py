@@ -198,7 +198,9 @@ class AgentSection:
 @dataclasses.dataclass(frozen=True)
 class JaxSamplerSection:
     max_slots: int = knob(64, *POSITIVE)
-    max_len: int | None = knob(None, lambda v: v is None or v >= 2, "None (the context bucket) or >= 2")
+    # tokens a sequence holds, prompt included; None: config.agent.max_context_tokens (a chain's conversation never
+    # grows past it, so a smaller value is refused)
+    max_len: int | None = knob(None, lambda v: v is None or v >= 2, "None (config.agent.max_context_tokens) or >= 2")
     steps_per_call: int = knob(8, *POSITIVE)
     prefill_tokens: int = knob(8192, *POSITIVE)
     min_bucket: int = knob(16, *POSITIVE)
@@ -557,6 +559,12 @@ class TrainConfig:
             raise ConfigError(f"config.jax_sampler.tensor_parallel={self.jax_sampler.tensor_parallel} is for the JAX "
                               f"sampler: with config.backend={self.backend!r} generation runs on the servers (their "
                               "own --tensor-parallel-size in config.vllm.server_args); set it to 1")
+        if (self.backend == "jax" and self.jax_sampler.max_len is not None
+                and self.jax_sampler.max_len < self.agent.max_context_tokens):
+            raise ConfigError(f"config.jax_sampler.max_len={self.jax_sampler.max_len} is shorter than "
+                              f"config.agent.max_context_tokens={self.agent.max_context_tokens}: a chain's conversation "
+                              "grows up to the context, and its later turns would not fit the sampler; raise max_len, "
+                              "lower the context, or leave max_len None (= the context)")
         if self.jax_sampler.tensor_parallel > 1 and self.jax_sampler.decode_attention.startswith("pallas"):
             raise ConfigError(f"config.jax_sampler.decode_attention={self.jax_sampler.decode_attention!r} runs on one "
                               "device; with config.jax_sampler.tensor_parallel > 1 use 'auto' or 'xla'")

@@ -382,7 +382,8 @@ def test_vision_language_policy_caches_text_prompts_only(vl_checkpoint, vl_token
 
 # ------------------------------------------------------------------------------------------- config
 def test_config_knobs_reach_the_sampler(tiny_model):
-    """config.jax_sampler.prefix_caching (default on) and prefix_min_tokens are the trainer's sampler's options."""
+    """config.jax_sampler.prefix_caching (default on), prefix_min_tokens and max_len are the trainer's sampler's
+    options."""
     from agentfly_jax.trainer import builders
     from agentfly_jax.trainer.config import ConfigError, TrainConfig
     from experiments.quickstart import get_config
@@ -391,9 +392,15 @@ def test_config_knobs_reach_the_sampler(tiny_model):
     config = get_config()
     assert TrainConfig.build(config).jax_sampler.prefix_caching is True
     config.jax_sampler.prefix_caching, config.jax_sampler.prefix_min_tokens = False, 7
-    config.jax_sampler.max_slots, config.jax_sampler.max_len = 2, 32
+    config.jax_sampler.max_slots, config.jax_sampler.max_len = 2, None
     sampler = builders.build_backend(TrainConfig.build(config), model, params)
     assert (sampler.prefix_caching, sampler.prefix_min_tokens) == (False, 7)
+    assert sampler.max_len == config.agent.max_context_tokens == 256  # None: what a chain can grow to
+    config.jax_sampler.max_len = 255  # a conversation of 256 tokens would not fit
+    with pytest.raises(ConfigError, match=r"jax_sampler.max_len=255 is shorter than config.agent.max_context_tokens"):
+        TrainConfig.build(config)
+    config.backend, config.vllm.launch = "vllm", True  # the knob is the JAX sampler's: nothing to refuse there
+    TrainConfig.build(config)
     config.jax_sampler.prefix_min_tokens = 0
     with pytest.raises(ConfigError, match="prefix_min_tokens"):
         TrainConfig.build(config)
