@@ -559,12 +559,6 @@ class TrainConfig:
             raise ConfigError(f"config.jax_sampler.tensor_parallel={self.jax_sampler.tensor_parallel} is for the JAX "
                               f"sampler: with config.backend={self.backend!r} generation runs on the servers (their "
                               "own --tensor-parallel-size in config.vllm.server_args); set it to 1")
-        if (self.backend == "jax" and self.jax_sampler.max_len is not None
-                and self.jax_sampler.max_len < self.agent.max_context_tokens):
-            raise ConfigError(f"config.jax_sampler.max_len={self.jax_sampler.max_len} is shorter than "
-                              f"config.agent.max_context_tokens={self.agent.max_context_tokens}: a chain's conversation "
-                              "grows up to the context, and its later turns would not fit the sampler; raise max_len, "
-                              "lower the context, or leave max_len None (= the context)")
         if self.jax_sampler.tensor_parallel > 1 and self.jax_sampler.decode_attention.startswith("pallas"):
             raise ConfigError(f"config.jax_sampler.decode_attention={self.jax_sampler.decode_attention!r} runs on one "
                               "device; with config.jax_sampler.tensor_parallel > 1 use 'auto' or 'xla'")
@@ -590,6 +584,12 @@ class TrainConfig:
         if longest > max(self.seq_buckets):
             raise ConfigError(f"config.agent.max_context_tokens={longest} does not fit the largest of "
                               f"config.seq_buckets={self.seq_buckets}: raise the buckets or lower the context")
+        if (self.backend == "jax" and self.jax_sampler.max_len is not None
+                and self.jax_sampler.max_len < self.agent.max_context_tokens):
+            raise ConfigError(f"config.jax_sampler.max_len={self.jax_sampler.max_len} is shorter than "
+                              f"config.agent.max_context_tokens={self.agent.max_context_tokens}: a chain's conversation "
+                              "grows up to the context, and its later turns would not fit the sampler; raise max_len, "
+                              "lower the context, or leave max_len None (= the context)")
 
     def _check_model(self) -> None:
         """The random-initialised policy's shape (a checkpoint at model.hf_path brings its own)."""

@@ -106,6 +106,8 @@ def test_out_of_range_is_refused_before_any_model_work(monkeypatch, tmp_path):
     (lambda d: d["rl"].update(mini_batches=200), "config.rl.mini_batches=200 is more than the 128 chains"),
     (lambda d: d["agent"].update(max_context_tokens=1024),
      "config.agent.max_context_tokens=1024 does not fit the largest of config.seq_buckets"),
+    (lambda d: d["jax_sampler"].update(max_len=200),
+     "config.jax_sampler.max_len=200 is shorter than config.agent.max_context_tokens=256"),
     (lambda d: d["tokenizer"].update(kind=""), "set config.tokenizer.path (an HF tokenizer directory) or"),
     (lambda d: d.update(backend="vllm"), "config.backend='vllm' needs config.vllm.urls"),
     (lambda d: d["env"].update(name=""), "config.env.name is empty and config.task.train_path is empty"),
