@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -174,7 +175,9 @@ class AgentSection:
     tools: tuple[str, ...] = ()  # registered tool names or "package.module:tool"
     reward: str = ""  # registered reward name or "package.module:reward"
     system_prompt: str | None = None
-    success_threshold: float | None = None
+    # a chain with reward >= this counts as a success (success/rate, eval/success); None: the environment's
+    success_threshold: float | None = knob(None, lambda v: v is None or math.isfinite(v),
+                                           "None (the environment's) or a finite number")
     max_turns: int | None = knob(None, lambda v: v is None or v >= 1, ">= 1")
     max_new_tokens: int = knob(512, *POSITIVE)
     max_context_tokens: int = knob(4096, *POSITIVE)

@@ -280,6 +280,7 @@ ATTACK_TABLE = [
     ("agent", "tool_timeout", -5.0, "None or positive seconds"),
     ("agent", "stop_token_ids", (-1,), "None or token ids >= 0"),
     ("jax_sampler", "max_len", 0, "None (config.agent.max_context_tokens) or >= 2"),
+    ("agent", "success_threshold", float("nan"), "None (the environment's) or a finite number"),
     ("optimizer", "end_lr_ratio", 5.0, "in [0, 1] (the decay's end, a fraction of learning_rate)"),
     ("sft", "stages", ((10, 1.5),), "(steps >= 1, expert fraction in [0, 1]) pairs"),
     ("sft", "stages", ((-10, 0.5),), "(steps >= 1, expert fraction in [0, 1]) pairs"),
