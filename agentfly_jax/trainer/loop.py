@@ -43,6 +43,7 @@ from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.heap import freeze_startup_heap, unfreeze_startup_heap
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
+from agentfly_jax.models.transformer import resolve_attention_impl
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.rollout.trajectory import Trajectory, images_to_batch
 from agentfly_jax.trainer import builders, distributed
@@ -625,9 +626,10 @@ def make_batch(run: Run, trajectories, step: int, chain_error: list | None = Non
                       num_minibatches=mini_batches, micro_batches=cfg.rl.micro_batches,
                       rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
                       micro_batch_tokens=cfg.rl.micro_batch_tokens, **_image_arrays(run, arrays))
+    packing = packing_metrics(batch, run.policy.config)
     with _mesh_context(run):
         batch, metrics = run.prepare_fn(run.state, _put_batch(run, batch))
-    return batch, {**metrics, **shaping, **_image_metrics(arrays, batch)}
+    return batch, {**metrics, **shaping, **packing, **_image_metrics(arrays, batch)}
 
 
 def _make_batch_processes(run: Run, trajectories, step: int, chain_error: list | None):
@@ -1044,6 +1046,22 @@ def _image_arrays(run: Run, arrays: dict) -> dict:
         return {}
     return {"images": {k: arrays[k] for k in ("pixel_values", "image_grid_thw", "image_rows")},
             "model_config": run.policy.config}
+
+
+def packing_metrics(batch: UpdateBatch, model_config) -> dict:
+    """Scalars of a step's packed rows (host numpy, one process's batch): the rows, the share of their token slots
+    that is padding (computed by the update all the same), the most sequences a row holds, and, where cuDNN reads
+    the rows as packed segments (`model.attention_segments`), the share of micro-batches with a row of more runs
+    than that bound, which take the dense-mask kernel instead."""
+    seg = np.asarray(batch.rows.segment_ids)  # [K, M, R, L]: 1, 2, ... per row, 0 = padding
+    out = {"update/packed_rows": float(np.prod(seg.shape[:-1])),
+           "update/padding_fraction": float((seg == 0).mean()),
+           "update/max_sequences_per_row": float(seg.max(initial=0))}
+    bound = min(model_config.attention_segments, seg.shape[-1])
+    if bound and resolve_attention_impl(model_config.attention_impl, model_config.dtype) == "cudnn":
+        runs = 1 + np.count_nonzero(seg[..., 1:] != seg[..., :-1], axis=-1)  # [K, M, R]
+        out["update/dense_attention_fraction"] = float((runs.max(axis=-1) > bound).mean())
+    return out
 
 
 def _image_metrics(arrays: dict, batch: UpdateBatch) -> dict:

@@ -193,3 +193,32 @@ def test_micro_batch_token_budget(budget, rows_multiple, micro_batches):
     plain = _pack(tokens, mask, sampler, lengths, micro_batches=micro_batches, rows_multiple=rows_multiple,
                   row_len=row_len)
     assert plain.rows.tokens.shape[1] == micro_batches
+
+
+def test_packing_metrics_of_a_step():
+    """update/* scalars of the packed rows, against plain loops over the rows; the dense-attention share only
+    where cuDNN reads the rows as packed segments."""
+    from agentfly_jax.models import ModelConfig
+    from agentfly_jax.trainer.loop import packing_metrics
+
+    rng = np.random.default_rng(11)
+    tokens, mask, sampler, lengths = _ragged(rng, n=30, t=10)
+    batch = _pack(tokens, mask, sampler, lengths, row_len=40, micro_batches=2, rows_multiple=2)
+    seg = batch.rows.segment_ids.reshape(-1, 40)
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                         num_kv_heads=1, attention_segments=3, attention_impl="cudnn")
+    got = packing_metrics(batch, config)
+    slots = seg.size
+    assert got["update/packed_rows"] == len(seg)
+    assert got["update/padding_fraction"] == pytest.approx((slots - lengths.sum()) / slots)
+    assert got["update/max_sequences_per_row"] == max(len({int(i) for i in row if i}) for row in seg)
+
+    def runs(row):
+        return sum(1 for t in range(len(row)) if t == 0 or row[t] != row[t - 1])
+
+    per_micro = batch.rows.segment_ids.reshape(-1, seg.shape[0] // 2, 40)  # [micro-batches, R, L]
+    fuller = [any(runs(row) > 3 for row in micro) for micro in per_micro]
+    assert 0 < sum(fuller) and got["update/dense_attention_fraction"] == pytest.approx(sum(fuller) / len(fuller))
+    assert "update/dense_attention_fraction" not in packing_metrics(batch, config.replace(attention_impl="xla"))
+    assert "update/dense_attention_fraction" not in packing_metrics(batch, config.replace(attention_segments=0))
+    assert packing_metrics(batch, config.replace(attention_segments=100))["update/dense_attention_fraction"] == 0

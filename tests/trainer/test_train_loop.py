@@ -25,6 +25,7 @@ EXPECTED_TAGS = [
     "throughput/update_tokens_per_s", "throughput/rollout_tokens_per_s", "time/rollout_s", "time/update_s",
     "time/weight_sync_s", "eval/success", "sft/loss", "eval_before_sft/success", "sampler/compiles",
     "sampler/prompt_tokens", "sampler/prefill_tokens", "sampler/prefix_tokens_reused", "sampler/prefix_hits",
+    "update/packed_rows", "update/padding_fraction", "update/max_sequences_per_row",
 ]
 
 
