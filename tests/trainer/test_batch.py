@@ -216,7 +216,8 @@ def test_packing_metrics_of_a_step():
     def runs(row):
         return sum(1 for t in range(len(row)) if t == 0 or row[t] != row[t - 1])
 
-    per_micro = batch.rows.segment_ids.reshape(-1, seg.shape[0] // 2, 40)  # [micro-batches, R, L]
+    per_micro = batch.rows.segment_ids.reshape(-1, *batch.rows.segment_ids.shape[-2:])  # [K * M, R, L]
+    assert len(per_micro) == 2
     fuller = [any(runs(row) > 3 for row in micro) for micro in per_micro]
     assert 0 < sum(fuller) and got["update/dense_attention_fraction"] == pytest.approx(sum(fuller) / len(fuller))
     assert "update/dense_attention_fraction" not in packing_metrics(batch, config.replace(attention_impl="xla"))
