@@ -74,6 +74,7 @@ def config(args, staleness: int, workdir: str):
                  "max_staleness": staleness, "partial_rollouts": bool(staleness and args.partial)})
     c.loss.is_cap = 2.0
     c.agent.update({"max_turns": args.long_turns + 1, "max_context_tokens": 448, "max_new_tokens": 48})
+    c.jax_sampler.max_len = None  # the context's (the scripted backend stands in for the sampler)
     c.seq_buckets = (128, 256, 512)
     return c
 
