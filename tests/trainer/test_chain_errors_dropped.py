@@ -158,6 +158,7 @@ def test_fewer_chains_left_than_mini_batches_make_no_empty_mini_batch(qwen_token
         run.runner.close()
     assert len(train_on) == 3 and metrics["rollout/chain_errors_dropped"] == 1.0
     run.mesh, run.rules, run.state = builders.build_mesh(run.config), builders.sharding_rules(run.config), None
+    run.policy, _ = builders.build_policy(run.config, qwen_tokenizer)  # make_batch reads its attention settings
     run.prepare_fn = lambda state, batch: (batch, {})  # the packed batch as prepare would receive it
     batch, _ = loop.make_batch(run, train_on, 0)
     assert batch.num_minibatches == 3
