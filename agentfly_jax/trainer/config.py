@@ -590,9 +590,9 @@ class TrainConfig:
         if (self.backend == "jax" and self.jax_sampler.max_len is not None
                 and self.jax_sampler.max_len < self.agent.max_context_tokens):
             raise ConfigError(f"config.jax_sampler.max_len={self.jax_sampler.max_len} is shorter than "
-                              f"config.agent.max_context_tokens={self.agent.max_context_tokens}: a chain's conversation "
-                              "grows up to the context, and its later turns would not fit the sampler; raise max_len, "
-                              "lower the context, or leave max_len None (= the context)")
+                              f"config.agent.max_context_tokens={self.agent.max_context_tokens}: a chain's "
+                              "conversation grows up to the context, and its later turns would not fit the sampler; "
+                              "raise max_len, lower the context, or leave max_len None (= the context)")
 
     def _check_model(self) -> None:
         """The random-initialised policy's shape (a checkpoint at model.hf_path brings its own)."""
