@@ -179,9 +179,10 @@ def run_worker(args) -> dict:
     phase("devices")
     shape = SHAPES[SHAPE_NAMES[args.shape]]
     dtype = jnp.bfloat16 if gpu else jnp.float32
+    segments = {} if args.attention_segments is None else {"attention_segments": args.attention_segments}
     config = ModelConfig(**shape, qkv_bias=True, family="qwen2", dtype=dtype,
                          param_dtype=jnp.float32 if args.fp32_params else dtype, remat=args.layer_remat,
-                         layer_row_splits=args.layer_row_splits, attention_segments=args.attention_segments)
+                         layer_row_splits=args.layer_row_splits, **segments)
     model = CausalLM(config)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01))
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
@@ -237,7 +238,7 @@ def run_worker(args) -> dict:
               "global_tokens": global_rows * args.seq_len, "layer_remat": args.layer_remat, "chunk": args.chunk,
               "rules": dict(args.rule or []), "compile_s": round(compile_s, 2),
               "micro_batches": args.micro_batches, "layer_row_splits": args.layer_row_splits,
-              "attention_segments": args.attention_segments, "collectives": count_collectives(hlo),
+              "attention_segments": config.attention_segments, "collectives": count_collectives(hlo),
               "collectives_in_loops": collectives_in_loops(hlo), "phases_s": phases,
               "xla_flags": _callers_flags(os.environ.get("XLA_FLAGS", ""))}
     if args.compile_only:
@@ -363,7 +364,8 @@ def run_layout(args, shape: str, layout: str, devices: int, processes: int, plat
                    "--profile", str(args.profile)]
     worker_args += ["--fp32-params"] * args.fp32_params + ["--layer-remat"] * args.layer_remat
     worker_args += ["--layer-row-splits", str(args.layer_row_splits)]
-    worker_args += ["--attention-segments", str(args.attention_segments)]
+    if args.attention_segments is not None:
+        worker_args += ["--attention-segments", str(args.attention_segments)]
     worker_args += ["--compile-only"] * args.compile_only
     for name, axes in args.rule or []:
         worker_args += ["--rule", f"{name}={','.join((axes,) if isinstance(axes, str) else axes or ())}"]
@@ -515,9 +517,9 @@ def main(argv=None) -> int:
     p.add_argument("--layer-row-splits", type=int, default=1, metavar="N",
                    help="run each layer on N independent groups of rows (ModelConfig.layer_row_splits), so that "
                         "one group's tensor-parallel all-reduces can overlap another's GEMMs; 1: off")
-    p.add_argument("--attention-segments", type=int, default=8, metavar="N",
-                   help="ModelConfig.attention_segments (its default 8): cuDNN's packed layout for up to N segments a "
-                        "row; 0: the dense segment mask (the only path before 2026-11-28)")
+    p.add_argument("--attention-segments", type=int, metavar="N",
+                   help="ModelConfig.attention_segments (default: ModelConfig's): cuDNN's packed layout for up to N "
+                        "segments a row; 0: the dense segment mask (the only path before 2026-11-28)")
     p.add_argument("--rule", action="append", type=_rule_arg, metavar="NAME=AXES",
                    help="override one logical axis rule of the trainer's defaults (repeatable), e.g. "
                         "act_residual_batch=data,fsdp; an empty AXES replicates")
@@ -571,7 +573,7 @@ def main(argv=None) -> int:
         p.error("--devices and --processes must be >= 1")
     if (args.rows_per_device < 1 or args.seq_len < 2 or args.steps < 1 or args.warmup < 0 or args.chunk < 0
             or args.precompile < 0 or args.micro_batches < 1 or args.profile < 0 or args.layer_row_splits < 1
-            or args.attention_segments < 0):
+            or (args.attention_segments or 0) < 0):
         p.error("--rows-per-device >= 1, --seq-len >= 2, --steps >= 1, --warmup >= 0, --chunk >= 0, "
                 "--precompile >= 0, --micro-batches >= 1, --profile >= 0, --layer-row-splits >= 1 and "
                 "--attention-segments >= 0")

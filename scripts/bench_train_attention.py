@@ -74,6 +74,7 @@ def main(argv=None) -> int:
 
     from agentfly_jax.models.transformer import (SegmentMask, _packed_kernel, attention_mask, dot_product_attention,
                                                  segment_layout)
+    from agentfly_jax.trainer.batch import row_runs
 
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     B, T, H, K, D = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         v = jax.random.normal(keys[2], (B, T, K, D), dtype)
         ct = jax.random.normal(keys[3], (B, T, H, D), dtype)
         reference = None
-        runs = int(np.max(1 + np.count_nonzero(np.diff(np.asarray(seg), axis=1), axis=1)))
+        runs = int(row_runs(np.asarray(seg)).max())
         for name, max_segments in variants:
             if name == "cudnn_packed_kernel" and runs > max_segments:  # the layout would leave runs out: wrong
                 print(json.dumps({"impl": name, "segments": segments, "max_segments": max_segments,

@@ -164,6 +164,14 @@ def resolve_attention_impl(impl: str, dtype) -> str:
     return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
 
 
+def packed_segment_bound(config: ModelConfig) -> int:
+    """The runs of segment ids a row may hold for cuDNN's packed-sequence layout under `config`: its
+    `attention_segments` where the attention is cuDNN's, else 0 (the dense mask, or the einsum path)."""
+    if config.attention_segments and resolve_attention_impl(config.attention_impl, config.dtype) == "cudnn":
+        return config.attention_segments
+    return 0
+
+
 def segment_layout(segment_ids, max_segments: int):
     """cuDNN's packed-sequence description of rows [B, T] of segment ids: each row's runs of equal ids (a segment,
     the padding's run included) -> (lengths [B, M], starts [B, M + 1]) int32, M = `max_segments`, entries past a
@@ -462,10 +470,11 @@ class Decoder(nn.Module):
         """The layers and final norm on input embeddings x [B, T, E] (a multimodal model merges image features
         into them first); positions [B, T], or [3, B, T] with mRoPE."""
         c = self.config
+        bound = packed_segment_bound(c)
         if segment_ids is None:
             mask = None
-        elif c.attention_segments and resolve_attention_impl(c.attention_impl, c.dtype) == "cudnn":
-            mask = SegmentMask(_constrain(segment_ids, ("act_batch", "act_length")), c.attention_segments)
+        elif bound:
+            mask = SegmentMask(_constrain(segment_ids, ("act_batch", "act_length")), bound)
         else:
             mask = _constrain(attention_mask(segment_ids), ("act_batch", "act_length", None))
         x = _constrain(x, _residual())

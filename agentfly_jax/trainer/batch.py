@@ -122,6 +122,13 @@ def choose_bucket(length: int, buckets: Sequence[int]) -> int:
                      f"config.seq_buckets or lower the rollout's max context length")
 
 
+def row_runs(segment_ids: np.ndarray) -> np.ndarray:
+    """The runs of equal segment ids in each row of `segment_ids` [..., L] (host numpy): a row's sequences, plus one
+    for its padding where it has some; what cuDNN's packed-sequence attention describes per row."""
+    seg = np.asarray(segment_ids)
+    return 1 + np.count_nonzero(seg[..., 1:] != seg[..., :-1], axis=-1)
+
+
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 

@@ -43,14 +43,14 @@ from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.heap import freeze_startup_heap, unfreeze_startup_heap
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
-from agentfly_jax.models.transformer import resolve_attention_impl
+from agentfly_jax.models.transformer import packed_segment_bound
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.rollout.trajectory import Trajectory, images_to_batch
 from agentfly_jax.trainer import builders, distributed
 from agentfly_jax.trainer.async_rollouts import RolloutProducer, ThreadedRunner, staleness_filter
 from agentfly_jax.trainer.batch import (NoChainsLeftError, UpdateBatch, assign_minibatches, choose_bucket,
                                        drop_failed_chains, no_chains_left_error, pack_step, place_block, rows_needed,
-                                       unpack_index_from)
+                                       row_runs, unpack_index_from)
 from agentfly_jax.trainer.checkpoint import Checkpointer
 from agentfly_jax.trainer.config import ConfigError, OptimizerConfig, TrainConfig
 from agentfly_jax.trainer.export import export_policy
@@ -1057,10 +1057,9 @@ def packing_metrics(batch: UpdateBatch, model_config) -> dict:
     out = {"update/packed_rows": float(np.prod(seg.shape[:-1])),
            "update/padding_fraction": float((seg == 0).mean()),
            "update/max_sequences_per_row": float(seg.max(initial=0))}
-    bound = min(model_config.attention_segments, seg.shape[-1])
-    if bound and resolve_attention_impl(model_config.attention_impl, model_config.dtype) == "cudnn":
-        runs = 1 + np.count_nonzero(seg[..., 1:] != seg[..., :-1], axis=-1)  # [K, M, R]
-        out["update/dense_attention_fraction"] = float((runs.max(axis=-1) > bound).mean())
+    bound = packed_segment_bound(model_config)
+    if bound:  # the runs of each row [K, M, R]; a micro-batch with a fuller row takes the dense kernel
+        out["update/dense_attention_fraction"] = float((row_runs(seg).max(axis=-1) > bound).mean())
     return out
 
 
