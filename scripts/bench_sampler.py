@@ -121,6 +121,9 @@ def _summary(args, batch: int, timing: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ ours
+FUSE = {"auto": "auto", "0": False, "1": True}  # --fuse-projections -> JaxSampler(fuse_projections=...)
+
+
 def run_jax(args) -> list[dict]:
     import asyncio
 
@@ -141,12 +144,14 @@ def run_jax(args) -> list[dict]:
     params = init_params(model, jax.random.PRNGKey(0))
     device = jax.devices()[0]
     results = []
-    for batch, tensor_parallel in [(b, tp) for b in args.batches for tp in args.tensor_parallel]:
+    for batch, tensor_parallel, fuse in [(b, tp, f) for b in args.batches for tp in args.tensor_parallel
+                                         for f in args.fuse_projections]:
         prompts = _prompts(args, batch).tolist()
         # prefix caching off: every round repeats the same prompts, which it would serve from the previous round
         sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call,
                              prefix_caching=False, sampling_noise=args.sampling_noise,
-                             decode_attention=args.decode_attention, tensor_parallel=tensor_parallel)
+                             decode_attention=args.decode_attention, tensor_parallel=tensor_parallel,
+                             fuse_projections=FUSE[fuse])
         loop = asyncio.new_event_loop()
 
         def one_round(n, sampler=sampler, prompts=prompts, loop=loop):
@@ -162,6 +167,7 @@ def run_jax(args) -> list[dict]:
         result = {"impl": "agentfly_jax.JaxSampler", "device": device.device_kind, "jax": jax.__version__,
                   "decode_attention": sampler.decode_attention, "sampling_noise": sampler.sampling_noise,
                   "pallas": args.pallas, "tensor_parallel": tensor_parallel,
+                  "fuse_projections": sampler.fuse_projections,
                   "cache_sharding": str(sampler._cache["k"][0].sharding.spec if sampler.mesh is not None else None),
                   "steps_per_call": args.steps_per_call, "compiles": dict(sampler.compile_counts),
                   **_summary(args, batch, timing)}
@@ -328,10 +334,14 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="grpo: the workload's random lengths and ids")
     p.add_argument("--tensor-parallel", type=int, nargs="+", default=[1],
                    help="our side once per value, on that many local devices (JaxSampler(tensor_parallel=N))")
+    p.add_argument("--fuse-projections", nargs="+", choices=sorted(FUSE), default=["auto"],
+                   help="our side once per value: JaxSampler(fuse_projections=...): 1 serves q/k/v and gate/up as "
+                        "joined GEMMs, 0 as the model's own, auto (the default) joined on one device")
     p.add_argument("--out", help="append the JSON results to this file")
     args = p.parse_args(argv)
-    if min(args.tensor_parallel) < 1 or (args.mode == "grpo" and args.tensor_parallel != [1]):
-        p.error("--tensor-parallel takes values >= 1, and the decode mode only")
+    if min(args.tensor_parallel) < 1 or (args.mode == "grpo" and (args.tensor_parallel != [1]
+                                                                  or args.fuse_projections != ["auto"])):
+        p.error("--tensor-parallel takes values >= 1; it and --fuse-projections are for the decode mode only")
 
     if args.mode == "grpo":
         results = run_grpo(args)
@@ -361,7 +371,7 @@ def main(argv=None) -> int:
                "--impl", impl]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        runs = len(args.batches) * (len(args.tensor_parallel) if impl == "jax" else 1)
+        runs = len(args.batches) * (len(args.tensor_parallel) * len(args.fuse_projections) if impl == "jax" else 1)
         if proc.returncode != 0 or len(lines) != runs:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
             raise SystemExit(f"benchmark side {impl!r} failed (exit {proc.returncode})")
@@ -381,7 +391,8 @@ def main(argv=None) -> int:
         vs_roof = (f", {roof['tokens_per_s'] / ours['decode_tokens_per_s']:.2f}x below the HBM roofline "
                    f"({roof['tokens_per_s']:.0f} tok/s, {roof['step_ms']} ms/step)" if roof.get("tokens_per_s")
                    else ", no roofline (unknown device bandwidth; pass --bandwidth)")
-        where = ours["device"] + (f" x{tp} (tensor parallel)" if tp > 1 else "")
+        where = (ours["device"] + (f" x{tp} (tensor parallel)" if tp > 1 else "")
+                 + (", q/k/v and gate/up fused" if ours["fuse_projections"] else ""))
         print(f"SUMMARY {args.shape} {args.dtype} batch={batch} prompt={args.prompt_len} on {where}: "
               f"decode ours {ours['decode_tokens_per_s']:.0f} tok/s ({ours['decode_step_ms']} ms/step) vs "
               f"transformers.generate {peer['decode_tokens_per_s']:.0f} tok/s ({peer['decode_step_ms']} ms/step): "

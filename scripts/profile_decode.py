@@ -92,7 +92,8 @@ def profile_batch(args, model, params, batch: int) -> dict:
     max_len = args.context + args.steps * (args.calls + 2) + 1
     sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps,
                          prefix_caching=False, sampling_noise=args.noise,
-                         decode_attention=args.attention)
+                         decode_attention=args.attention,
+                         fuse_projections={"auto": "auto", "0": False, "1": True}[args.fuse_projections])
     cfg = sampler._cfg
     cfg["temperature"][:] = 1.0
     cfg["budget"][:] = max_len
@@ -123,7 +124,8 @@ def profile_batch(args, model, params, batch: int) -> dict:
         cache, state = run(cache, state, args.calls, args.context)
     summary = summarise(device_events(os.path.join(trace_dir, f"batch{batch}")), args.calls * args.steps, args.top,
                         scopes)
-    return {"batch": batch, "context": args.context, "steps_per_call": args.steps, "wall_ms_per_step": round(wall_ms, 4),
+    return {"batch": batch, "fuse_projections": sampler.fuse_projections, "context": args.context,
+            "steps_per_call": args.steps, "wall_ms_per_step": round(wall_ms, 4),
             "tokens_per_s": round(batch / wall_ms * 1e3, 1), **summary}
 
 
@@ -139,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--noise", choices=["hash", "threefry"], default="hash", help="JaxSampler sampling_noise")
     p.add_argument("--attention", default="auto", help="JaxSampler decode_attention")
     p.add_argument("--pallas", help="the Pallas decode kernel's 'splits,block_k,warps' (decode.set_pallas_tuning)")
+    p.add_argument("--fuse-projections", choices=["auto", "0", "1"], default="auto",
+                   help="JaxSampler fuse_projections: 1 joins q/k/v and gate/up (decode.fuse_projections), 0 not")
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--keep-trace", help="write the raw traces under this directory")
     p.add_argument("--out", help="append the JSON lines to this file")
@@ -160,7 +164,8 @@ def main(argv=None) -> int:
     params = init_params(model, jax.random.PRNGKey(0))
     for batch in args.batches:
         row = {"shape": args.shape, "dtype": args.dtype, "device": jax.devices()[0].device_kind,
-               "noise": args.noise, "attention": args.attention, "pallas": args.pallas, **profile_batch(args, model, params, batch)}
+               "noise": args.noise, "attention": args.attention, "pallas": args.pallas,
+               **profile_batch(args, model, params, batch)}
         line = json.dumps(row)
         print(line, flush=True)
         if args.out:

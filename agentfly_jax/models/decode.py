@@ -156,6 +156,67 @@ def _heads(c: ModelConfig, params, x, num_heads: int, head_axis: str, repeats: i
     return proj.apply({"params": params}, x)
 
 
+# the fused layer params `fuse_projections` writes, in place of the projections they join
+FUSED_QKV, FUSED_GATE_UP = "qkv_proj", "gate_up_proj"
+
+
+def _plain(module_params) -> bool:
+    """A projection's params are its kernel (and bias) only: no LoRA adapters, nothing else to apply."""
+    return set(module_params) <= {"kernel", "bias"}
+
+
+def fuse_projections(params):
+    """The param tree with each decoder layer's q/k/v projections joined into one `qkv_proj` (kernel [E, H + 2K,
+    D], bias [H + 2K, D]: the heads of q, then k, then v) and its MLP's gate/up into one `gate_up_proj` (kernel
+    [E, 2F]: gate's columns, then up's), so a decode step runs two GEMMs where it ran five (the skinny GEMMs of a
+    decode step are bound by their launches and waves, not by their arithmetic). `extend` takes either layout,
+    layer by layer, with the same result up to the GEMMs' summation order. A layer whose projections carry
+    anything but a kernel and bias (LoRA adapters) is left as it is. For one device: under a tensor-parallel
+    mesh a joined kernel's head axis would mix q, k and v heads across the shards (the sampler does not fuse
+    there). Other entries (embeddings, norms, a vision tower) are shared with `params`, not copied."""
+    decoder = dict(params["model"])
+    for name, layer in params["model"].items():
+        if not name.startswith("layers_"):
+            continue
+        attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
+        parts = [attn.get(k) for k in ("q_proj", "k_proj", "v_proj")]
+        if all(p is not None and _plain(p) for p in parts) and len({"bias" in p for p in parts}) == 1:
+            fused = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
+            if "bias" in parts[0]:
+                fused["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
+            for k in ("q_proj", "k_proj", "v_proj"):
+                del attn[k]
+            attn[FUSED_QKV] = fused
+        parts = [mlp.get(k) for k in ("gate_proj", "up_proj")]
+        if all(p is not None and set(p) == {"kernel"} for p in parts):
+            mlp = {k: v for k, v in mlp.items() if k not in ("gate_proj", "up_proj")}
+            mlp[FUSED_GATE_UP] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
+        decoder[name] = {**layer, "self_attn": attn, "mlp": mlp}
+    return {**params, "model": decoder}
+
+
+def _fused_qkv(c: ModelConfig, params, x, repeats: int):
+    """q [B, T, H, D], k and v [B, T, K, D] from a `qkv_proj` (one GEMM; `fuse_projections`)."""
+    if repeats != 1:
+        raise ValueError("fused q/k/v projections are for one device; this mesh splits the queries over more "
+                         "pieces than the kv heads (decode.fuse_projections)")
+    y = jnp.einsum("bte,end->btnd", x.astype(c.dtype), params["kernel"].astype(c.dtype))
+    if "bias" in params:
+        y = y + params["bias"].astype(c.dtype)
+    h, k = c.num_heads, c.num_kv_heads
+    return y[:, :, :h], y[:, :, h:h + k], y[:, :, h + k:]
+
+
+def _mlp(c: ModelConfig, params, x):
+    """The MLP of a decoder layer, from its own params or a fused `gate_up_proj` (`fuse_projections`)."""
+    if FUSED_GATE_UP not in params:
+        return MLP(c).apply({"params": params}, x)
+    y = jnp.einsum("bte,ef->btf", x.astype(c.dtype), params[FUSED_GATE_UP]["kernel"].astype(c.dtype))
+    gate, up = y[..., :c.intermediate_size], y[..., c.intermediate_size:]
+    down = params["down_proj"]["kernel"].astype(c.dtype)
+    return jnp.einsum("btf,fe->bte", nn.silu(gate) * up, down)
+
+
 def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,
            rope_positions=None, embeddings=None, cache_rows=None, attention: str = "xla"):
     """Runs `tokens` [B, T] at `positions` [B, T] against `cache`; returns (hidden [B, T, E], new cache).
@@ -207,11 +268,14 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
         attn = layer["self_attn"]
         with jax.named_scope("qkv"):
             h = _norm(c, layer["input_layernorm"], x)
-            q = _heads(c, attn["q_proj"], h, c.num_heads, "heads")  # [B, T, H, D]
-            k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads", repeats)  # [B, T, K * repeats, D]
+            if FUSED_QKV in attn:
+                q, k, v = _fused_qkv(c, attn[FUSED_QKV], h, repeats)
+            else:
+                q = _heads(c, attn["q_proj"], h, c.num_heads, "heads")  # [B, T, H, D]
+                k = _heads(c, attn["k_proj"], h, c.num_kv_heads, "kv_heads", repeats)  # [B, T, K * repeats, D]
+                v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads", repeats)
             q = apply_rope(q, rope_positions, inv_freq, mrope_section)
             k = apply_rope(k, rope_positions, inv_freq, mrope_section)
-            v = _heads(c, attn["v_proj"], h, c.num_kv_heads, "kv_heads", repeats)
             q, k, v = (constrain(a, ("act_batch", "act_length", axis, None))
                        for a, axis in ((q, "act_heads"), (k, "act_kv_heads"), (v, "act_kv_heads")))
         with jax.named_scope("cache_write"):  # [B, T] indices around the kv-head axis: values [B, T, K, D]
@@ -234,7 +298,7 @@ def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: i
             x = x + OutProjection(c.hidden_size, c.dtype, c.param_dtype).apply({"params": attn["o_proj"]}, out)
             x = constrain(x, _EMBED_AXES)  # tensor parallel: the all-reduce of o_proj's partial sums
         with jax.named_scope("mlp"):
-            x = x + MLP(c).apply({"params": layer["mlp"]}, _norm(c, layer["post_attention_layernorm"], x))
+            x = x + _mlp(c, layer["mlp"], _norm(c, layer["post_attention_layernorm"], x))
             x = constrain(x, _EMBED_AXES)  # ... and of down_proj's
     hidden = _norm(c, decoder["norm"], x)
     return hidden, {"k": tuple(constrain(buf, CACHE_AXES) for buf in cache_k),

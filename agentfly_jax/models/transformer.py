@@ -23,7 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentfly_jax.models.config import ModelConfig
-from agentfly_jax.models.sharding import active_shards, batch_name, constrain, fully_split, rows_beyond_batch
+from jax.sharding import PartitionSpec as P
+
+from agentfly_jax.models.sharding import (
+    active_shards,
+    batch_name,
+    constrain,
+    fully_split,
+    rows_beyond_batch,
+    spec_for_shape,
+)
 
 _KERNEL_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -212,27 +221,49 @@ def _dense_kernel(q, k, v, mask):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
 
 
-def _cudnn_packed(q, k, v, segment_ids, max_segments: int):
+def _cudnn_packed(q, k, v, segment_ids, max_segments: int, rows: str = "act_batch"):
     """Causal attention within each run of `segment_ids` through cuDNN's packed-sequence layout (each row's
     segments as starts and lengths): blocks across segments and above the diagonal are skipped, and no [B, T, T]
     bias is read or differentiated. A batch with a row of more than `max_segments` runs takes the dense-mask
     kernel instead (`lax.cond`: the same result, at the dense path's cost). A bound above the row length is
-    lowered to it (a row of T tokens has at most T runs; cuDNN's work grows with the bound)."""
+    lowered to it (a row of T tokens has at most T runs; cuDNN's work grows with the bound).
+
+    Under a mesh (active logical rules), each device runs the kernel on its own rows (`rows`, the name the
+    queries' rows take) and heads, through `shard_map`: attention is independent across rows and heads, and
+    XLA's partitioner of the packed kernel otherwise gathered q, k and v to every device (measured on 2 GPUs:
+    8-9 more all-gathers a layer and 67-78% weak-scaling efficiency against 83-90% with the dense mask). Each
+    device then also takes the dense fallback on its own rows' run counts only."""
     max_segments = min(max_segments, segment_ids.shape[1])
-    lengths, offsets, runs = segment_layout(segment_ids, max_segments)
-    return jax.lax.cond(runs <= max_segments,
-                        lambda q, k, v: _packed_kernel(q, k, v, lengths, offsets),
-                        lambda q, k, v: _dense_kernel(q, k, v, attention_mask(segment_ids)), q, k, v)
+
+    def local(q, k, v, segment_ids):
+        lengths, offsets, runs = segment_layout(segment_ids, max_segments)
+        return jax.lax.cond(runs <= max_segments,
+                            lambda q, k, v: _packed_kernel(q, k, v, lengths, offsets),
+                            lambda q, k, v: _dense_kernel(q, k, v, attention_mask(segment_ids)), q, k, v)
+
+    mesh, rules = jax.sharding.get_abstract_mesh(), nn.get_logical_axis_rules()
+    if mesh.empty or not rules or getattr(mesh, "manual_axes", ()):
+        return local(q, k, v, segment_ids)
+    # the sequence whole on every device (a split length is gathered into the call), rows and heads split
+    q_spec = spec_for_shape(P(rows, None, "act_heads", None), q.shape, mesh, rules)
+    kv_spec = spec_for_shape(P(rows, None, "act_kv_heads", None), k.shape, mesh, rules)
+    if q_spec[0] != kv_spec[0]:
+        raise ValueError(f"packed attention: queries' rows split as {q_spec[0]}, keys' as {kv_spec[0]}")
+    if all(axes is None for axes in (*q_spec, *kv_spec)):
+        return local(q, k, v, segment_ids)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)),
+                         out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
 
 
-def dot_product_attention(q, k, v, mask, impl: str = "xla"):
+def dot_product_attention(q, k, v, mask, impl: str = "xla", rows: str = "act_batch"):
     """Grouped-query attention. q [B,T,H,D], k/v [B,S,K,D] -> [B,T,H,D]; mask [B,T,S] bool, None (= causal), or
-    `SegmentMask` (causal within each row's runs of equal segment ids: cuDNN's packed layout, else their mask)."""
+    `SegmentMask` (causal within each row's runs of equal segment ids: cuDNN's packed layout, else their mask).
+    rows: the logical name of the queries' rows under a mesh (the packed layout runs per shard)."""
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
     if isinstance(mask, SegmentMask):
         if resolve_attention_impl(impl, q.dtype) == "cudnn":
-            return _cudnn_packed(q, k, v, mask.segment_ids, mask.max_segments)
+            return _cudnn_packed(q, k, v, mask.segment_ids, mask.max_segments, rows)
         mask = attention_mask(mask.segment_ids)
     if resolve_attention_impl(impl, q.dtype) == "cudnn":
         if mask is None:
@@ -391,7 +422,7 @@ class Attention(nn.Module):
         q = _constrain(q, (rows, "act_length", "act_heads", None))
         k = _constrain(k, (rows, "act_length", "act_kv_heads", None))
         v = _constrain(v, (rows, "act_length", "act_kv_heads", None))
-        out = dot_product_attention(q, k, v, mask, c.attention_impl)  # [B, T, H, D]
+        out = dot_product_attention(q, k, v, mask, c.attention_impl, rows)  # [B, T, H, D]
         out = _constrain(out, (rows, "act_length", "act_heads", None))
         out = OutProjection(c.hidden_size, c.dtype, c.param_dtype, c.lora_on("o_proj"), c.lora_scale,
                             name="o_proj")(out)

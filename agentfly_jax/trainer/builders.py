@@ -475,6 +475,7 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, t
         options = dataclasses.asdict(cfg.jax_sampler)
         del options["separate_device"], options["tensor_parallel"]  # where it runs: sampler_placement
         options["max_len"] = options["max_len"] or cfg.agent.max_context_tokens  # what a chain can grow to
+        options["fuse_projections"] = {"on": True, "off": False}.get(options["fuse_projections"], "auto")
         return JaxSampler(model, served, seed=cfg.seed, **sampler_placement(cfg), **options)
     from agentfly_jax.rollout.backends import LocalVLLMServers, VLLMBackend
 

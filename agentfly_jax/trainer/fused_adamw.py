@@ -14,8 +14,9 @@ more reductions per leaf. `fused_clip_adamw` computes the same AdamW step with:
   the compiler fuses them into the pass, so `stack_max_size` limits it to small leaves (biases, norms, small
   k/v kernels: many tiny kernels, launch-bound) and leaves the large ones, which are bandwidth-bound, per leaf;
 - one fp32 reduction for the global gradient norm, then one elementwise pass per group that reads gradient,
-  parameter and both moments once and writes the new parameter and moments, with the update and parameter
-  norms as reductions of that same pass (`fused_step`, which the trainer's `_apply` uses);
+  parameter and both moments once and writes the new parameter and moments, with the non-finite skip inside and
+  the parameter norm a reduction of the same inputs (`fused_step`, which the trainer's `_apply` uses); the
+  logged update norm (`update_norm`) is a reduction XLA keeps apart, so its cheapest form is the default;
 - fp32 arithmetic inside the pass whatever the storage dtype (moments are stored in the parameters' dtype, as
   optax does), so bf16 parameters get one rounding per step instead of one per operation.
 
@@ -47,7 +48,8 @@ class FusedAdamWState(NamedTuple):
 
 class FusedStats(NamedTuple):
     grad_norm: jax.Array  # of the gradients before clipping (fp32)
-    update_norm: jax.Array  # of the update the step computed (NaN when the gradients were not finite)
+    update_norm: jax.Array | None  # of the step's update, as `update_norm` says (None: "off"; NaN when the
+    # gradients were not finite and it is "exact"; 0 then with "applied", as nothing changed)
     param_norm: jax.Array  # of the parameters before the step
     finite: jax.Array  # bool: the step was taken (non-finite gradients leave parameters and state unchanged)
 
@@ -126,13 +128,26 @@ def _sq(x) -> jax.Array:
     return jnp.sum(x * x)
 
 
+#: what the logged update norm measures (`fused_clip_adamw(update_norm=...)`, `optimizer.update_norm`)
+UPDATE_NORMS = ("applied", "exact", "off")
+
+
 def fused_clip_adamw(learning_rate: float | optax.Schedule, *, b1: float = 0.9, b2: float = 0.999,
                      eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None,
-                     mask=None, stack_max_size: int | None = None) -> FusedClipAdamW:
+                     mask=None, stack_max_size: int | None = None, update_norm: str = "applied") -> FusedClipAdamW:
     """Global-norm clipping (`max_grad_norm`; None or <= 0: none) followed by AdamW with bias correction,
     decoupled weight decay (`weight_decay` x param, on the leaves `mask` selects, optax's mask semantics) and
     `learning_rate` (a number or an optax schedule of the step count), as one `FusedClipAdamW`. Same-role leaves
-    of at most `stack_max_size` values (None: all, 0: none) are stacked across layers (`plan`)."""
+    of at most `stack_max_size` values (None: all, 0: none) are stacked across layers (`plan`).
+
+    update_norm: what `FusedStats.update_norm` measures: "applied" the change of the stored parameters (new - old,
+    after rounding to their dtype; in fp32 the update itself up to rounding, in bf16 what the step changed),
+    "exact" the fp32 update before rounding (optax's `tree.norm(updates)`), "off" nothing (None). XLA does not
+    fuse the reduction into the pass, so it costs a pass of its own: on an H200 at the Qwen2.5-3B shape in bf16
+    the step alone took 31.0 ms "exact", 25.6 "applied" and 20.4 "off" (docs/benchmarks.md). Without params
+    (`update(grads, state)`), "applied" reduces the update ("exact")."""
+    if update_norm not in UPDATE_NORMS:
+        raise ValueError(f"update_norm must be one of {UPDATE_NORMS}, got {update_norm!r}")
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ValueError(f"b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}")
     if eps <= 0 or weight_decay < 0:
@@ -188,7 +203,8 @@ def fused_clip_adamw(learning_rate: float | optax.Schedule, *, b1: float = 0.9, 
             if group.decay and weight_decay > 0:
                 u = u + weight_decay * param.astype(jnp.float32)
             u = (-lr) * u
-            u_sq.append(jnp.sum(u * u))
+            if update_norm == "exact" or (update_norm == "applied" and param is None):
+                u_sq.append(_sq(u))
             mus.append(keep(mu.astype(mu0.dtype), mu0))
             nus.append(keep(nu.astype(nu0.dtype), nu0))
             out_dtype = grad.dtype if param is None else param.dtype
@@ -196,10 +212,12 @@ def fused_clip_adamw(learning_rate: float | optax.Schedule, *, b1: float = 0.9, 
                 updates[i] = x
             if param is not None:
                 new = keep((param.astype(jnp.float32) + u).astype(param.dtype), param)
+                if update_norm == "applied":
+                    u_sq.append(_sq(new.astype(jnp.float32) - param.astype(jnp.float32)))
                 for i, x in zip(group.leaves, _unstack(new, len(group.leaves))):
                     new_params[i] = x
         new_state = FusedAdamWState(count=keep(count, state.count), mu=tuple(mus), nu=tuple(nus))
-        stats = FusedStats(grad_norm=g_norm, update_norm=jnp.sqrt(sum(u_sq)),
+        stats = FusedStats(grad_norm=g_norm, update_norm=jnp.sqrt(sum(u_sq)) if update_norm != "off" else None,
                            param_norm=jnp.sqrt(sum(p_sq)) if p_sq else jnp.float32(jnp.nan), finite=finite)
         unflat = lambda xs: None if xs is None else jax.tree.unflatten(treedef, xs)  # noqa: E731
         return unflat(updates), unflat(new_params), new_state, stats

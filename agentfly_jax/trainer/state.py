@@ -44,12 +44,18 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
         stack_max_size = {"per_leaf": 0, "stacked": None, "hybrid": HYBRID_STACK_MAX_SIZE}[cfg.fused]
         return fused_clip_adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                 weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                                stack_max_size=stack_max_size)
+                                stack_max_size=stack_max_size, update_norm=cfg.update_norm)
     adamw = optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay)
     if cfg.max_grad_norm and cfg.max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
-    return adamw
+        adamw = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    optimizer = _Optax(*adamw)
+    optimizer.update_norm = cfg.update_norm  # what the trainer's `_apply` logs as the update norm
+    return optimizer
+
+
+class _Optax(optax.GradientTransformation):
+    """optax's transformation with an attribute the trainer reads: `update_norm` (`OptimizerConfig`)."""
 
 
 class ModelState(flax.struct.PyTreeNode):

@@ -248,18 +248,22 @@ def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation, train
     fused_step = getattr(optimizer, "fused_step", None)
     if fused_step is not None:  # fused_clip_adamw: the skip and the norms inside its one pass
         new, opt_state, stats = fused_step(grads, ms.opt_state, trained)
-        return ModelState(params=new if frozen is None else lora.combine(new, frozen), opt_state=opt_state), {
-            "grad_norm": stats.grad_norm, "update_norm": stats.update_norm, "param_norm": stats.param_norm,
-            "nonfinite": 1.0 - stats.finite.astype(jnp.float32)}
-    grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(grad_norm)
-    updates, opt_state = optimizer.update(grads, ms.opt_state, trained)
-    update_norm = optax.tree.norm(updates)
-    new = optax.apply_updates(trained, updates)
-    new, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new, opt_state), (trained, ms.opt_state))
-    return ModelState(params=new if frozen is None else lora.combine(new, frozen), opt_state=opt_state), {
-        "grad_norm": grad_norm, "update_norm": update_norm, "param_norm": optax.tree.norm(trained),
-        "nonfinite": 1.0 - finite.astype(jnp.float32)}
+        grad_norm, update_norm, param_norm, finite = stats
+    else:
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        updates, opt_state = optimizer.update(grads, ms.opt_state, trained)
+        new = optax.apply_updates(trained, updates)
+        new, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new, opt_state), (trained, ms.opt_state))
+        update_norm = {"exact": lambda: optax.tree.norm(updates), "off": lambda: None,
+                       "applied": lambda: optax.tree.norm(jax.tree.map(
+                           lambda n, o: n.astype(jnp.float32) - o.astype(jnp.float32), new, trained))
+                       }[getattr(optimizer, "update_norm", "exact")]()
+        param_norm = optax.tree.norm(trained)
+    metrics = {"grad_norm": grad_norm, "param_norm": param_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
+    if update_norm is not None:  # optimizer.update_norm="off": not computed, not logged
+        metrics["update_norm"] = update_norm
+    return ModelState(params=new if frozen is None else lora.combine(new, frozen), opt_state=opt_state), metrics
 
 
 # ------------------------------------------------------------------------------------------------- prepare

@@ -100,3 +100,72 @@ def test_hash_noise_samples_the_tempered_distribution():
         sigma = np.sqrt(steps * probs * (1 - probs))
         assert np.all(np.abs(counts - steps * probs) <= 4 * sigma + 1), (noise, counts, steps * probs)
         np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[np.asarray(tokens)]), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- fused projections
+def test_fuse_projections_joins_the_kernels_in_order(tiny_model):
+    """qkv_proj holds q's heads, then k's, then v's (kernels and biases); gate_up_proj gate's columns, then up's;
+    every other entry is the same array, not a copy; a layer carrying LoRA adapters is left as it is."""
+    _, params = tiny_model
+    fused = decode.fuse_projections(params)
+    for name, layer in params["model"].items():
+        if not name.startswith("layers_"):
+            assert fused["model"][name] is layer
+            continue
+        attn, got = layer["self_attn"], fused["model"][name]["self_attn"]
+        assert set(got) == {"o_proj", decode.FUSED_QKV} and got["o_proj"] is attn["o_proj"]
+        for part in ("kernel", "bias"):
+            want = np.concatenate([np.asarray(attn[k][part]) for k in ("q_proj", "k_proj", "v_proj")],
+                                  axis=1 if part == "kernel" else 0)
+            np.testing.assert_array_equal(np.asarray(got[decode.FUSED_QKV][part]), want)
+        mlp, got = layer["mlp"], fused["model"][name]["mlp"]
+        assert set(got) == {"down_proj", decode.FUSED_GATE_UP}
+        np.testing.assert_array_equal(np.asarray(got[decode.FUSED_GATE_UP]["kernel"]), np.concatenate(
+            [np.asarray(mlp["gate_proj"]["kernel"]), np.asarray(mlp["up_proj"]["kernel"])], axis=1))
+    assert all(fused[k] is params[k] for k in params if k != "model")
+    with_lora = jax.tree.map(lambda x: x, params)
+    with_lora["model"]["layers_0"]["self_attn"]["q_proj"] = {**params["model"]["layers_0"]["self_attn"]["q_proj"],
+                                                            "lora_a": jnp.zeros((4, 2))}
+    kept = decode.fuse_projections(with_lora)["model"]
+    assert "q_proj" in kept["layers_0"]["self_attn"] and decode.FUSED_QKV not in kept["layers_0"]["self_attn"]
+    assert decode.FUSED_GATE_UP in kept["layers_0"]["mlp"] and decode.FUSED_QKV in kept["layers_1"]["self_attn"]
+
+
+def test_fused_sampler_equals_the_unfused_one_across_a_weight_update(tiny_model, tiny_params_b):
+    """Greedy and seeded two-turn chains (prefix caching on) on weights A, then on weights B after update_weights:
+    the fused sampler gives the unfused one's tokens, and logprobs within 1e-5 (fp32: only the GEMMs' summation
+    order differs); the served tree is re-fused at the update."""
+    model, params = tiny_model
+    prompts = conversation_prompts(11, 5, 3, 60)
+    outputs = {}
+    for fuse in (False, True):
+        sampler = JaxSampler(model, params, max_slots=4, max_len=256, steps_per_call=4, fuse_projections=fuse)
+        assert sampler.fuse_projections is fuse
+        assert (decode.FUSED_QKV in sampler._params["model"]["layers_0"]["self_attn"]) is fuse
+
+        async def run(sampler=sampler):
+            async with sampler:
+                chains = lambda: asyncio.gather(*[two_turns(sampler, p, 10 * i, 0.0 if i % 2 else 1.0)  # noqa: E731
+                                                  for i, p in enumerate(prompts)])
+                first = await chains()
+                await sampler.update_weights(tiny_params_b, version=1)
+                return first, await chains()
+        outputs[fuse] = asyncio.run(run())
+        assert (decode.FUSED_QKV in sampler._params["model"]["layers_0"]["self_attn"]) is fuse
+    for ref_round, round_ in zip(outputs[False], outputs[True]):
+        for ref_chain, chain in zip(ref_round, round_):
+            for ref, got in zip(ref_chain, chain):
+                assert got.token_ids == ref.token_ids
+                np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    assert outputs[True][0] != outputs[True][1]  # weights B really decode differently
+
+
+def test_fuse_projections_settings(tiny_model):
+    model, params = tiny_model
+    assert JaxSampler(model, params).fuse_projections is True  # "auto" on one device
+    with pytest.raises(ValueError, match="fuse_projections must be"):
+        JaxSampler(model, params, fuse_projections="yes")
+    if len(jax.devices()) >= 2:
+        assert JaxSampler(model, params, tensor_parallel=2).fuse_projections is False  # "auto" on a mesh
+        with pytest.raises(ValueError, match="runs on one device"):
+            JaxSampler(model, params, tensor_parallel=2, fuse_projections=True)

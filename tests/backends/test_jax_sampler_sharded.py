@@ -205,6 +205,15 @@ def test_trainer_config(tiny_model):
     config.jax_sampler.tensor_parallel = 2
     sampler = builders.build_backend(TrainConfig.build(config), model, params)
     assert sampler.tensor_parallel == 2 and [d.id for d in sampler.mesh.devices.flat] == [0, 1]
+    assert sampler.fuse_projections is False  # "auto" on a mesh
+    config.jax_sampler.fuse_projections = "on"
+    with pytest.raises(ConfigError, match="fuse_projections='on' runs on one device"):
+        TrainConfig.build(config)
+    config.jax_sampler.fuse_projections, config.jax_sampler.tensor_parallel = "off", 1
+    assert builders.build_backend(TrainConfig.build(config), model, params).fuse_projections is False
+    config.jax_sampler.fuse_projections = "auto"
+    assert builders.build_backend(TrainConfig.build(config), model, params).fuse_projections is True
+    config.jax_sampler.tensor_parallel = 2
     config.jax_sampler.separate_device = True
     cfg = TrainConfig.build(config)
     assert [d.id for d in builders.sampler_devices(cfg)] == [6, 7]

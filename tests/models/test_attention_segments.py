@@ -90,13 +90,18 @@ CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_laye
 @pytest.fixture
 def fake_cudnn(monkeypatch):
     """FAKE cuDNN kernels (einsum attention) and a backend choice that takes them; records which kernel ran."""
-    ran = []
+    class Ran(list):
+        shapes: list  # the queries' shapes the packed kernel was traced with
+
+    ran = Ran()
+    ran.shapes = []
 
     def einsum(q, k, v, mask, label):
         jax.debug.callback(lambda: ran.append(label))
         return transformer.dot_product_attention(q, k, v, mask, "xla")
 
     def packed(q, k, v, lengths, offsets):
+        ran.shapes.append(q.shape)
         # the mask cuDNN's documented packed semantics give, built from the layout alone
         t = q.shape[1]
         pos = jnp.arange(t)
@@ -155,19 +160,37 @@ def test_a_row_with_more_runs_takes_the_dense_kernel(fake_cudnn):
     assert fake_cudnn and set(fake_cudnn) == {"dense"}
 
 
-def test_sharded_packed_path_equals_one_device(fake_cudnn):
+@pytest.mark.parametrize("max_sequences,bound", [(3, 4), (5, 5)])
+def test_sharded_packed_path_equals_one_device(fake_cudnn, max_sequences, bound):
+    """Under fsdp 4 x tensor 2 (8 CPU devices) the packed path runs per shard and gives the one-device einsum
+    path's loss and gradients; with (5, 5) some shards hold a row of more runs than the bound and take the dense
+    kernel on their own rows while others take the packed one."""
     rng = np.random.default_rng(4)
-    ids, positions, seg = _batch(rng)
-    model, einsum_model = CausalLM(CFG.replace(attention_segments=4)), CausalLM(CFG.replace(attention_impl="xla"))
+    ids, positions, seg = _batch(rng, max_sequences=max_sequences)
+    model, einsum_model = CausalLM(CFG.replace(attention_segments=bound)), CausalLM(CFG.replace(attention_impl="xla"))
     params = init_params(einsum_model, jax.random.PRNGKey(0))
-    want = jax.jit(model.apply)({"params": params}, ids, positions, seg)
+
+    def loss(m):
+        def fn(p, ids, positions, seg):
+            logits = m.apply({"params": p}, ids, positions, seg)
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * (seg > 0))
+        return jax.jit(jax.value_and_grad(fn))
+
+    want, want_grad = loss(einsum_model)(params, ids, positions, seg)
     mesh = shd.make_mesh({"fsdp": 4, "tensor": 2})
     sharded = shd.shard_params(einsum_model, params, mesh)  # the same tree (its init runs causal attention)
     rows = shd.batch_sharding(mesh)
     with jax.set_mesh(mesh), shd.axis_rules():
-        got = jax.jit(model.apply)({"params": sharded}, *(jax.device_put(a, rows) for a in (ids, positions, seg)))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    assert set(fake_cudnn) == {"packed"}
+        got, got_grad = loss(model)(sharded, *(jax.device_put(a, rows) for a in (ids, positions, seg)))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5),
+                 got_grad, want_grad)
+    shard_runs = [int(segment_layout(seg[i:i + 2], 8)[2]) for i in range(0, 8, 2)]  # each fsdp shard's 2 rows
+    mixed = min(shard_runs) <= bound < max(shard_runs)
+    assert mixed == (max_sequences == 5), shard_runs  # the batch this test needs
+    assert set(fake_cudnn) == ({"packed", "dense"} if mixed else {"packed"}), (fake_cudnn, shard_runs)
+    # each device runs the kernel on its own 8/4 rows and 4/2 heads (shard_map), not on gathered q, k, v
+    assert set(fake_cudnn.shapes) == {(2, 24, 2, 16)}, fake_cudnn.shapes
 
 
 def test_einsum_path_ignores_the_setting():

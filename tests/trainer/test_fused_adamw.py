@@ -70,7 +70,7 @@ def test_equals_optax_clip_adamw_bit_for_bit(stack_max_size, n_groups, max_norm,
     adamw = optax.adamw(lr, b1=0.9, b2=0.99, eps=1e-8, weight_decay=weight_decay, mask=mask)
     ref = optax.chain(optax.clip_by_global_norm(max_norm), adamw) if max_norm > 0 else adamw
     fused = fused_clip_adamw(lr, b1=0.9, b2=0.99, eps=1e-8, weight_decay=weight_decay, max_grad_norm=max_norm,
-                             mask=mask, stack_max_size=stack_max_size)
+                             mask=mask, stack_max_size=stack_max_size, update_norm="exact")
 
     @jax.jit
     def ref_step(g, s, p):
@@ -151,6 +151,43 @@ def test_trainer_apply_matches_and_skips_nonfinite():
     ms_f, m_f = apply_f(ms_f, bad)
     assert float(m_f["nonfinite"]) == 1.0
     jax.tree.map(np.testing.assert_array_equal, ms_f, before)  # params, moments and count unchanged
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fused", ["hybrid", "off"])
+def test_update_norm_settings(fused, dtype):
+    """optimizer.update_norm on both paths: "applied" is the norm of the stored parameters' change (float64 from
+    the parameters before and after), "exact" optax's norm of the fp32 update, "off" leaves the metric out; a
+    skipped (non-finite) step changed nothing, so its applied norm is 0."""
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(lambda x: x.astype(dtype), _params(rng))
+    cfg = OptimizerConfig(learning_rate=1e-2, weight_decay=0.05, max_grad_norm=1.0, fused=fused)
+    runs = {}
+    for update_norm in ("applied", "exact", "off"):
+        optimizer = make_optimizer(OptimizerConfig(**{**cfg.__dict__, "update_norm": update_norm}))
+        ms = create_train_state(params, optimizer).policy
+        runs[update_norm] = _jitted_apply(optimizer)(ms, jax.tree.map(lambda x: x.astype(dtype),
+                                                                      _grads(rng, params, 1.0)))
+        rng = np.random.default_rng(3)  # the same gradients for every setting
+        _params(rng)
+    (new, metrics), (new_exact, exact), (new_off, off) = runs["applied"], runs["exact"], runs["off"]
+    jax.tree.map(np.testing.assert_array_equal, new.params, new_exact.params)  # the step itself is the same
+    jax.tree.map(np.testing.assert_array_equal, new.params, new_off.params)
+    change = np.sqrt(sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                         for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params))))
+    np.testing.assert_allclose(float(metrics["update_norm"]), change, rtol=1e-5)
+    assert "update_norm" not in off and set(off) == {"grad_norm", "param_norm", "nonfinite"}
+    if dtype == jnp.float32:  # the update is the change, up to the rounding of p + u
+        np.testing.assert_allclose(float(exact["update_norm"]), change, rtol=1e-4)
+    else:  # bf16: the fp32 update is not what was stored
+        assert float(exact["update_norm"]) != pytest.approx(change, rel=1e-3)
+    optimizer = make_optimizer(cfg)
+    bad = jax.tree.map(lambda x: x.astype(dtype), _grads(rng, params, 1.0))
+    bad["layers_1"]["mlp"]["kernel"] = bad["layers_1"]["mlp"]["kernel"].at[0, 0].set(jnp.nan)
+    _, skipped = _jitted_apply(optimizer)(create_train_state(params, optimizer).policy, bad)
+    assert float(skipped["nonfinite"]) == 1.0 and float(skipped["update_norm"]) == 0.0
+    with pytest.raises(ValueError, match="update_norm"):
+        fused_clip_adamw(1e-3, update_norm="approx")
 
 
 def test_lora_adapters_only():

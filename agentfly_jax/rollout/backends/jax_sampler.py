@@ -336,6 +336,11 @@ class JaxSampler(GenerationBackend):
         reading each slot's keys up to its own length; the cache is then a multiple of 256 positions long, one
         decode program per steps/filter pair instead of one per window bucket) or "pallas_interpret" (the same
         kernel interpreted: CPU tests). Prompt passes always use the einsum.
+      fuse_projections: serve the weights with each layer's q/k/v projections joined into one GEMM and the
+        MLP's gate/up into another (`decode.fuse_projections`, redone at every weight update): fewer, larger
+        GEMMs per decode step (on an H200 at the Qwen2.5-0.5B shape, 7-10% faster decode steps at 64 and 256
+        slots, docs/benchmarks.md). True runs on one device only; "auto" (the default): True on one device, False
+        on a tensor-parallel mesh (a joined kernel's heads would mix q, k and v across the shards).
       device: the jax device to run on (default: the first).
       tensor_parallel: run over this many local devices (the first ones), the model split over them (module
         docstring); 1: one device.
@@ -347,8 +352,8 @@ class JaxSampler(GenerationBackend):
                  max_len: int | None = None, steps_per_call: int = 8, prefill_tokens: int = 8192, min_bucket: int = 16,
                  max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
                  cache_dtype=None, prefix_caching: bool = True, prefix_min_tokens: int = 16, seed: int = 0,
-                 sampling_noise: str = "hash", decode_attention: str = "auto", device=None, tensor_parallel: int = 1,
-                 mesh: Mesh | None = None):
+                 sampling_noise: str = "hash", decode_attention: str = "auto", fuse_projections: bool | str = "auto",
+                 device=None, tensor_parallel: int = 1, mesh: Mesh | None = None):
         if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
             raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
                             f"{type(model).__name__}")
@@ -385,10 +390,17 @@ class JaxSampler(GenerationBackend):
             raise ValueError(f"JaxSampler decode_attention={decode_attention!r} runs on one device; a tensor-parallel "
                              "sampler takes 'xla' (or 'auto')")
         self.decode_attention = decode_attention
+        if fuse_projections not in (True, False, "auto"):
+            raise ValueError(f"JaxSampler fuse_projections must be True, False or 'auto', got {fuse_projections!r}")
+        if fuse_projections is True and (mesh is not None or tensor_parallel > 1):
+            raise ValueError("JaxSampler fuse_projections=True runs on one device: under a tensor-parallel mesh a "
+                             "joined kernel's heads would mix q, k and v across the shards (use 'auto' or False)")
         self.prefix_min_tokens = int(prefix_min_tokens)
         #: the mesh the programs run on (None: one device); its "tensor" axis splits the model
         self.mesh = _sampler_mesh(device, tensor_parallel, mesh)
         self.tensor_parallel = 1 if self.mesh is None else self.mesh.shape.get("tensor", 1)
+        #: whether the served weights have q/k/v and gate/up joined (`decode.fuse_projections`)
+        self.fuse_projections = self.mesh is None if fuse_projections == "auto" else fuse_projections
         self.device = device or (jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0])
         # where host inputs go: the device, or replicated over the mesh
         self._inputs = self.device if self.mesh is None else NamedSharding(self.mesh, P())
@@ -401,7 +413,8 @@ class JaxSampler(GenerationBackend):
         # decode_calls, decode_steps, prefill_calls, images (encoded by prompt passes), tokens, weight_updates, ...
         # interrupted_sequences, drain_wait_s, prompt_tokens, prefill_tokens, prefix_hits, prefix_tokens_reused, ...
         self.stats = collections.Counter()
-        self._params = self._place_params(params, reference=None)
+        self._param_ref = None  # shapes and dtypes of the served tree as callers give it (unfused)
+        self._params = self._place_params(params)
         self._rng = np.random.default_rng(seed)
         cache_dtype = cache_dtype or config.dtype
 
@@ -596,7 +609,7 @@ class JaxSampler(GenerationBackend):
             self._install(params, version, keep_prefix_cache)
 
     def _install(self, params, version: int, keep_prefix_cache: bool = False):
-        self._params = self._place_params(params, reference=self._params)
+        self._params = self._place_params(params)
         self.weight_version = int(version)
         self.stats["weight_updates"] += 1
         if not keep_prefix_cache:  # computed by the old weights: no later prompt may continue them
@@ -738,8 +751,10 @@ class JaxSampler(GenerationBackend):
         positions = mrope_positions(self.model.config, np.asarray(prompt)[None], grid)[:, 0]  # [3, L]
         return images, positions[:, :-1], int(positions.max()) + 1 - len(prompt)
 
-    def _place_params(self, params, reference):
-        """Params on the sampler's device; with a reference tree, checks structure/shapes and casts dtypes."""
+    def _place_params(self, params):
+        """Params on the sampler's device (fused with `fuse_projections`); after the first call, checks the
+        structure and shapes against the first tree's and casts to its dtypes."""
+        reference = self._param_ref
         if reference is not None:
             ref_tree = jax.tree.structure(reference)
             new_flat, new_tree = jax.tree.flatten(params)
@@ -757,7 +772,10 @@ class JaxSampler(GenerationBackend):
         # it on the same devices. Leaves sharing a buffer with their source are copied explicitly, else the
         # trainer's next update would delete the sampler's weights while it decodes (asynchronous training).
         placed = jax.device_put(params, self._param_target, may_alias=False)
-        return jax.tree.map(lambda src, out: out.copy() if _shares_buffers(src, out) else out, params, placed)
+        placed = jax.tree.map(lambda src, out: out.copy() if _shares_buffers(src, out) else out, params, placed)
+        if reference is None:
+            self._param_ref = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
+        return decode.fuse_projections(placed) if self.fuse_projections else placed
 
     # ---------------------------------------------------------------------------------------- the decode loop
     def _ensure_running(self):
