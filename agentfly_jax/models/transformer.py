@@ -21,10 +21,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from agentfly_jax.models.config import ModelConfig
 from jax.sharding import PartitionSpec as P
 
+from agentfly_jax.models.config import ModelConfig
 from agentfly_jax.models.sharding import (
     active_shards,
     batch_name,
