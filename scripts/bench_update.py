@@ -82,7 +82,8 @@ def run_jax(args) -> dict:
         return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "mode": args.mode,
                 "fp32_params": args.fp32_params, "lora_rank": args.lora_rank, "shape": args.shape,
                 "dtype": args.dtype, "variants": _time_optimizers(args, params, trainable)}
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer))
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer,
+                                               update_norm=args.update_norm))
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
     step = make_train_step(model, alg, optimizer, trainable=trainable, gpu_gemm=args.gpu_gemm)
@@ -143,7 +144,7 @@ def run_jax(args) -> dict:
     return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
             "attention": args.attention, "remat": args.remat, "fp32_params": args.fp32_params, "mode": args.mode,
             "segments": seg, "attention_segments": args.attention_segments, "chunk": args.chunk,
-            "lora_rank": args.lora_rank, "fused_optimizer": args.fused_optimizer,
+            "lora_rank": args.lora_rank, "fused_optimizer": args.fused_optimizer, "update_norm": args.update_norm,
             "gpu_gemm": args.gpu_gemm, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "trained_values": lora.adapter_count(params) if args.lora_rank else sum(
                 int(x.size) for x in jax.tree.leaves(params)),
@@ -349,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-settings", nargs="+", default=list(OPTIMIZER_FUSED), choices=settings,
                    help="--mode optimizer: the optimizer.fused settings timed, in this order, each with "
                    "optimizer.update_norm's default or as given after a colon (hybrid:exact, hybrid:off, ...)")
+    p.add_argument("--update-norm", choices=UPDATE_NORMS, default=OptimizerConfig().update_norm,
+                   help="ours, --mode step: optimizer.update_norm (what the logged update norm measures)")
     p.add_argument("--fused-optimizer", choices=OPTIMIZER_FUSED, default=OptimizerConfig().fused,
                    help="ours, --mode step: optimizer.fused (trainer/fused_adamw.py)")
     p.add_argument("--gpu-gemm", choices=GPU_GEMMS, default=ModelSection().gpu_gemm,
