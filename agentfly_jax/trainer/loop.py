@@ -626,7 +626,7 @@ def make_batch(run: Run, trajectories, step: int, chain_error: list | None = Non
                       num_minibatches=mini_batches, micro_batches=cfg.rl.micro_batches,
                       rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
                       micro_batch_tokens=cfg.rl.micro_batch_tokens, **_image_arrays(run, arrays))
-    packing = packing_metrics(batch, run.policy.config)
+    packing = packing_metrics(batch, run.policy.config, row_shards=int(run.mesh.shape["data"] * run.mesh.shape["fsdp"]))
     with _mesh_context(run):
         batch, metrics = run.prepare_fn(run.state, _put_batch(run, batch))
     return batch, {**metrics, **shaping, **packing, **_image_metrics(arrays, batch)}
@@ -1048,18 +1048,23 @@ def _image_arrays(run: Run, arrays: dict) -> dict:
             "model_config": run.policy.config}
 
 
-def packing_metrics(batch: UpdateBatch, model_config) -> dict:
+def packing_metrics(batch: UpdateBatch, model_config, row_shards: int = 1) -> dict:
     """Scalars of a step's packed rows (host numpy, one process's batch): the rows, the share of their token slots
     that is padding (computed by the update all the same), the most sequences a row holds, and, where cuDNN reads
-    the rows as packed segments (`model.attention_segments`), the share of micro-batches with a row of more runs
-    than that bound, which take the dense-mask kernel instead."""
+    the rows as packed segments (`model.attention_segments`), the share of micro-batch shards with a row of more
+    runs than that bound, which take the dense-mask kernel instead. `row_shards`: the devices a micro-batch's rows
+    are split over (data x fsdp); each decides on its own rows (`transformer._cudnn_packed`), so a shard is
+    counted, not a whole micro-batch (a count that does not divide the rows counts micro-batches)."""
     seg = np.asarray(batch.rows.segment_ids)  # [K, M, R, L]: 1, 2, ... per row, 0 = padding
     out = {"update/packed_rows": float(np.prod(seg.shape[:-1])),
            "update/padding_fraction": float((seg == 0).mean()),
            "update/max_sequences_per_row": float(seg.max(initial=0))}
     bound = packed_segment_bound(model_config)
-    if bound:  # the runs of each row [K, M, R]; a micro-batch with a fuller row takes the dense kernel
-        out["update/dense_attention_fraction"] = float((row_runs(seg).max(axis=-1) > bound).mean())
+    if bound:  # the runs of each row [K, M, R]; a micro-batch's shard with a fuller row takes the dense kernel
+        runs = row_runs(seg)
+        k, m, r = runs.shape
+        shards = row_shards if r % row_shards == 0 else 1
+        out["update/dense_attention_fraction"] = float((runs.reshape(k, m, shards, -1).max(axis=-1) > bound).mean())
     return out
 
 

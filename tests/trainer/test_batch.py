@@ -220,6 +220,14 @@ def test_packing_metrics_of_a_step():
     assert len(per_micro) == 2
     fuller = [any(runs(row) > 3 for row in micro) for micro in per_micro]
     assert 0 < sum(fuller) and got["update/dense_attention_fraction"] == pytest.approx(sum(fuller) / len(fuller))
+    # two devices split each micro-batch's rows: each half decides for itself (transformer._cudnn_packed)
+    halves = [any(runs(row) > 3 for row in half) for micro in per_micro for half in np.split(micro, 2)]
+    assert len(halves) == 4 and sum(halves) < 2 * sum(fuller)  # a case where shards and micro-batches differ
+    assert packing_metrics(batch, config, row_shards=2)["update/dense_attention_fraction"] == pytest.approx(
+        sum(halves) / 4)
+    r = per_micro.shape[1]
+    assert packing_metrics(batch, config, row_shards=r + 1)["update/dense_attention_fraction"] == pytest.approx(
+        sum(fuller) / len(fuller))  # not a divisor of the rows: whole micro-batches
     assert "update/dense_attention_fraction" not in packing_metrics(batch, config.replace(attention_impl="xla"))
     assert "update/dense_attention_fraction" not in packing_metrics(batch, config.replace(attention_segments=0))
     assert packing_metrics(batch, config.replace(attention_segments=100))["update/dense_attention_fraction"] == 0
