@@ -29,6 +29,8 @@ two computations' rounding flips a draw).
 --tensor-parallel N [M ...]: our side runs once per value, the JaxSampler split over that many local devices
 (`JaxSampler(tensor_parallel=N)`: heads, MLP and vocab split, the KV cache over kv heads); the roofline then counts
 the HBM bandwidth of all N devices (each reads its share of the weights and the cache). The peer runs on one.
+--fuse-projections auto|0|1 [...]: likewise once per value, `JaxSampler(fuse_projections=...)` (q/k/v and gate/up
+as joined GEMMs: 1; the model's own: 0; auto, the default: joined on one device).
 
 Each side runs every batch size after a warm-up, --repeats rounds each with N = --new-tokens and N + --extra-tokens new
 tokens, and keeps the fastest round of each;
