@@ -37,6 +37,21 @@ def test_bench_update_short(tmp_path):
     assert "--xla_gpu_enable_command_buffer=" in record["ours"]["xla_flags"]  # kernels named one by one on a GPU
 
 
+def test_bench_update_optimizer_mode_short(tmp_path):
+    """--mode optimizer: each setting's step alone, ours and torch's; "hybrid:off" compiles fewer kernels than
+    "hybrid" (its default "applied" update norm is a reduction of its own: optimizer.update_norm)."""
+    out = tmp_path / "optimizer.jsonl"
+    stdout = _run(["scripts/bench_update.py", "--shape", "tiny", "--mode", "optimizer", "--steps", "2", "--warmup",
+                   "1", "--optimizer-settings", "hybrid", "hybrid:off", "off:exact", "--out", str(out)])
+    assert "SUMMARY optimizer step tiny" in stdout
+    record = json.loads(out.read_text().splitlines()[-1])
+    variants = record["ours"]["variants"]
+    assert [k for k in variants if k != "parameter_leaves"] == ["hybrid", "hybrid:off", "off:exact"]
+    assert all(variants[k]["step_ms"] > 0 for k in ("hybrid", "hybrid:off", "off:exact"))
+    assert variants["hybrid:off"]["fusions"] < variants["hybrid"]["fusions"]
+    assert record["peer"]["step_ms"] > 0
+
+
 def test_bench_train_attention_short(tmp_path):
     """The CPU version: the einsum path timed on packed rows with padding; cuDNN's kernels, absent here, each
     reported as an error line, not a crash."""
