@@ -165,7 +165,7 @@ def _plain(module_params) -> bool:
     return set(module_params) <= {"kernel", "bias"}
 
 
-def fuse_projections(params):
+def fuse_projections(params, free_parts: bool = False):
     """The param tree with each decoder layer's q/k/v projections joined into one `qkv_proj` (kernel [E, H + 2K,
     D], bias [H + 2K, D]: the heads of q, then k, then v) and its MLP's gate/up into one `gate_up_proj` (kernel
     [E, 2F]: gate's columns, then up's), so a decode step runs two GEMMs where it ran five (the skinny GEMMs of a
@@ -173,7 +173,11 @@ def fuse_projections(params):
     layer by layer, with the same result up to the GEMMs' summation order. A layer whose projections carry
     anything but a kernel and bias (LoRA adapters) is left as it is. For one device: under a tensor-parallel
     mesh a joined kernel's head axis would mix q, k and v heads across the shards (the sampler does not fuse
-    there). Other entries (embeddings, norms, a vision tower) are shared with `params`, not copied."""
+    there). Other entries (embeddings, norms, a vision tower) are shared with `params`, not copied.
+
+    free_parts: delete each layer's joined arrays once its joined copy is made, so that the copies cost one layer's
+    projections at a time instead of all of them (a sampler joining the weights of each sync; only for arrays that
+    nothing else holds: `params` is unusable afterwards)."""
     decoder = dict(params["model"])
     for name, layer in params["model"].items():
         if not name.startswith("layers_"):
@@ -187,12 +191,23 @@ def fuse_projections(params):
             for k in ("q_proj", "k_proj", "v_proj"):
                 del attn[k]
             attn[FUSED_QKV] = fused
+            _free(parts, free_parts)
         parts = [mlp.get(k) for k in ("gate_proj", "up_proj")]
         if all(p is not None and set(p) == {"kernel"} for p in parts):
             mlp = {k: v for k, v in mlp.items() if k not in ("gate_proj", "up_proj")}
             mlp[FUSED_GATE_UP] = {"kernel": jnp.concatenate([p["kernel"] for p in parts], axis=1)}
+            _free(parts, free_parts)
         decoder[name] = {**layer, "self_attn": attn, "mlp": mlp}
     return {**params, "model": decoder}
+
+
+def _free(parts, free: bool) -> None:
+    """Deletes the device buffers of joined projections (`fuse_projections(free_parts=True)`); the runtime keeps
+    a buffer until the concatenation already dispatched on it has read it."""
+    if free:
+        for leaf in jax.tree.leaves(parts):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
 
 
 def _fused_qkv(c: ModelConfig, params, x, repeats: int):

@@ -129,6 +129,16 @@ def test_fuse_projections_joins_the_kernels_in_order(tiny_model):
     kept = decode.fuse_projections(with_lora)["model"]
     assert "q_proj" in kept["layers_0"]["self_attn"] and decode.FUSED_QKV not in kept["layers_0"]["self_attn"]
     assert decode.FUSED_GATE_UP in kept["layers_0"]["mlp"] and decode.FUSED_QKV in kept["layers_1"]["self_attn"]
+    # free_parts: the joined parts' buffers are gone, the joined copies and everything else intact
+    own = jax.tree.map(jnp.copy, params)
+    freed = decode.fuse_projections(own, free_parts=True)
+    jax.tree.map(np.testing.assert_array_equal, freed, fused)
+    for layer in (v for k, v in own["model"].items() if k.startswith("layers_")):
+        parts = [layer["self_attn"][k] for k in ("q_proj", "k_proj", "v_proj")] + [
+            layer["mlp"][k] for k in ("gate_proj", "up_proj")]
+        assert all(x.is_deleted() for x in jax.tree.leaves(parts))
+        assert not layer["self_attn"]["o_proj"]["kernel"].is_deleted() and not layer["mlp"]["down_proj"][
+            "kernel"].is_deleted()
 
 
 def test_fused_sampler_equals_the_unfused_one_across_a_weight_update(tiny_model, tiny_params_b):

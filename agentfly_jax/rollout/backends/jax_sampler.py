@@ -775,7 +775,8 @@ class JaxSampler(GenerationBackend):
         placed = jax.tree.map(lambda src, out: out.copy() if _shares_buffers(src, out) else out, params, placed)
         if reference is None:
             self._param_ref = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), placed)
-        return decode.fuse_projections(placed) if self.fuse_projections else placed
+        # the placed copies are the sampler's own: each layer's joined parts are freed as soon as they are joined
+        return decode.fuse_projections(placed, free_parts=True) if self.fuse_projections else placed
 
     # ---------------------------------------------------------------------------------------- the decode loop
     def _ensure_running(self):
