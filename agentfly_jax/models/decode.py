@@ -175,9 +175,9 @@ def fuse_projections(params, free_parts: bool = False):
     mesh a joined kernel's head axis would mix q, k and v heads across the shards (the sampler does not fuse
     there). Other entries (embeddings, norms, a vision tower) are shared with `params`, not copied.
 
-    free_parts: delete each layer's joined arrays once its joined copy is made, so that the copies cost one layer's
-    projections at a time instead of all of them (a sampler joining the weights of each sync; only for arrays that
-    nothing else holds: `params` is unusable afterwards)."""
+    free_parts: delete the arrays a layer's joined kernels were made from as soon as they are made, so that the
+    copies cost one layer's projections at a time instead of all of them (a sampler joining the weights of each
+    sync; only for arrays that nothing else holds: `params` is unusable afterwards)."""
     decoder = dict(params["model"])
     for name, layer in params["model"].items():
         if not name.startswith("layers_"):
@@ -202,8 +202,8 @@ def fuse_projections(params, free_parts: bool = False):
 
 
 def _free(parts, free: bool) -> None:
-    """Deletes the device buffers of joined projections (`fuse_projections(free_parts=True)`); the runtime keeps
-    a buffer until the concatenation already dispatched on it has read it."""
+    """Deletes the device buffers of joined projections (`fuse_projections(free_parts=True)`). Deleting right after
+    the dispatch is safe: the runtime reuses a buffer's memory only after the concatenation that reads it."""
     if free:
         for leaf in jax.tree.leaves(parts):
             if isinstance(leaf, jax.Array):
