@@ -46,6 +46,7 @@ from agentfly_jax.models.transformer import (
     MLP,
     CausalLM,
     HeadProjection,
+    Linear,
     OutProjection,
     RMSNorm,
     apply_rope,
@@ -215,10 +216,8 @@ def _fused_qkv(c: ModelConfig, params, x, repeats: int):
     if repeats != 1:
         raise ValueError("fused q/k/v projections are for one device; this mesh splits the queries over more "
                          "pieces than the kv heads (decode.fuse_projections)")
-    y = jnp.einsum("bte,end->btnd", x.astype(c.dtype), params["kernel"].astype(c.dtype))
-    if "bias" in params:
-        y = y + params["bias"].astype(c.dtype)
     h, k = c.num_heads, c.num_kv_heads
+    y = _heads(c, params, x, h + 2 * k, "heads")  # the model's projection, over the joined heads
     return y[:, :, :h], y[:, :, h:h + k], y[:, :, h + k:]
 
 
@@ -226,10 +225,12 @@ def _mlp(c: ModelConfig, params, x):
     """The MLP of a decoder layer, from its own params or a fused `gate_up_proj` (`fuse_projections`)."""
     if FUSED_GATE_UP not in params:
         return MLP(c).apply({"params": params}, x)
-    y = jnp.einsum("bte,ef->btf", x.astype(c.dtype), params[FUSED_GATE_UP]["kernel"].astype(c.dtype))
-    gate, up = y[..., :c.intermediate_size], y[..., c.intermediate_size:]
-    down = params["down_proj"]["kernel"].astype(c.dtype)
-    return jnp.einsum("btf,fe->bte", nn.silu(gate) * up, down)
+    def dense(features, names, name, inputs):  # the model's own layer (as `MLP` builds it), joined kernel or not
+        return Linear(features, names, c.dtype, c.param_dtype).apply({"params": params[name]}, inputs)
+
+    f = c.intermediate_size
+    y = dense(2 * f, ("embed", "mlp"), FUSED_GATE_UP, x)
+    return dense(c.hidden_size, ("mlp", "embed"), "down_proj", nn.silu(y[..., :f]) * y[..., f:])
 
 
 def extend(model: CausalLM, params, cache: dict, tokens, positions, *, kv_len: int | None = None,

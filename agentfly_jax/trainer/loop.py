@@ -626,7 +626,7 @@ def make_batch(run: Run, trajectories, step: int, chain_error: list | None = Non
                       num_minibatches=mini_batches, micro_batches=cfg.rl.micro_batches,
                       rows_multiple=_rows_multiple(run, arrays["tokens"].shape[1]),
                       micro_batch_tokens=cfg.rl.micro_batch_tokens, **_image_arrays(run, arrays))
-    packing = packing_metrics(batch, run.policy.config, row_shards=int(run.mesh.shape["data"] * run.mesh.shape["fsdp"]))
+    packing = packing_metrics(batch, run.policy.config, row_shards=_data_parallel_size(run.mesh))
     with _mesh_context(run):
         batch, metrics = run.prepare_fn(run.state, _put_batch(run, batch))
     return batch, {**metrics, **shaping, **packing, **_image_metrics(arrays, batch)}
@@ -1004,7 +1004,7 @@ def _rows_multiple(run: Run, row_len: int) -> int:
     """Packed row counts of a micro-batch are rounded up to this: a multiple of the data-parallel size and of
     `config.row_bucket / micro_batches` (few distinct shapes to compile, little padding), but never more rows
     than `rl.micro_batch_tokens` allows at this row length (then the micro-batch count absorbs the variation)."""
-    data_parallel = int(run.mesh.shape["data"] * run.mesh.shape["fsdp"])
+    data_parallel = _data_parallel_size(run.mesh)
     per_micro = -(-run.config.row_bucket // run.config.rl.micro_batches)
     budget = run.config.rl.micro_batch_tokens
     if budget:
@@ -1119,6 +1119,11 @@ def _check_shares(cfg: TrainConfig) -> None:
         raise ConfigError(f"config.eval.num_tasks={cfg.eval.num_tasks} is less than the {processes} processes of this "
                           f"run, which each evaluate a share of the held-out tasks: raise it to at least {processes} "
                           "(or 0: no evaluation)")
+
+
+def _data_parallel_size(mesh) -> int:
+    """The data-parallel shards of `mesh`: its ("data", "fsdp") devices, over which packed rows are split."""
+    return int(mesh.shape["data"] * mesh.shape["fsdp"])
 
 
 def _data_parallel_block(mesh) -> tuple[int, int, int]:

@@ -255,10 +255,12 @@ def _apply(ms: ModelState, grads, optimizer: optax.GradientTransformation, train
         updates, opt_state = optimizer.update(grads, ms.opt_state, trained)
         new = optax.apply_updates(trained, updates)
         new, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (new, opt_state), (trained, ms.opt_state))
-        update_norm = {"exact": lambda: optax.tree.norm(updates), "off": lambda: None,
-                       "applied": lambda: optax.tree.norm(jax.tree.map(
-                           lambda n, o: n.astype(jnp.float32) - o.astype(jnp.float32), new, trained))
-                       }[getattr(optimizer, "update_norm", "exact")]()
+        measure = getattr(optimizer, "update_norm", "exact")  # optimizer.update_norm
+        if measure == "applied":
+            update_norm = optax.tree.norm(jax.tree.map(lambda n, o: n.astype(jnp.float32) - o.astype(jnp.float32),
+                                                       new, trained))
+        else:
+            update_norm = optax.tree.norm(updates) if measure == "exact" else None
         param_norm = optax.tree.norm(trained)
     metrics = {"grad_norm": grad_norm, "param_norm": param_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
     if update_norm is not None:  # optimizer.update_norm="off": not computed, not logged
