@@ -31,6 +31,8 @@ two computations' rounding flips a draw).
 the HBM bandwidth of all N devices (each reads its share of the weights and the cache). The peer runs on one.
 --fuse-projections auto|0|1 [...]: likewise once per value, `JaxSampler(fuse_projections=...)` (q/k/v and gate/up
 as joined GEMMs: 1; the model's own: 0; auto, the default: joined on one device).
+--gpu-gemm triton|cublas [...]: likewise, `JaxSampler(gpu_gemm=...)` (how the programs' matrix products compile on a
+GPU: XLA's Triton fusions, the default, or cuBLAS).
 
 Each side runs every batch size after a warm-up, --repeats rounds each with N = --new-tokens and N + --extra-tokens new
 tokens, and keeps the fastest round of each;
@@ -146,14 +148,14 @@ def run_jax(args) -> list[dict]:
     params = init_params(model, jax.random.PRNGKey(0))
     device = jax.devices()[0]
     results = []
-    for batch, tensor_parallel, fuse in [(b, tp, f) for b in args.batches for tp in args.tensor_parallel
-                                         for f in args.fuse_projections]:
+    for batch, tensor_parallel, fuse, gemm in [(b, tp, f, g) for b in args.batches for tp in args.tensor_parallel
+                                               for f in args.fuse_projections for g in args.gpu_gemm]:
         prompts = _prompts(args, batch).tolist()
         # prefix caching off: every round repeats the same prompts, which it would serve from the previous round
         sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps_per_call,
                              prefix_caching=False, sampling_noise=args.sampling_noise,
                              decode_attention=args.decode_attention, tensor_parallel=tensor_parallel,
-                             fuse_projections=FUSE[fuse])
+                             fuse_projections=FUSE[fuse], gpu_gemm=gemm)
         loop = asyncio.new_event_loop()
 
         def one_round(n, sampler=sampler, prompts=prompts, loop=loop):
@@ -169,7 +171,7 @@ def run_jax(args) -> list[dict]:
         result = {"impl": "agentfly_jax.JaxSampler", "device": device.device_kind, "jax": jax.__version__,
                   "decode_attention": sampler.decode_attention, "sampling_noise": sampler.sampling_noise,
                   "pallas": args.pallas, "tensor_parallel": tensor_parallel,
-                  "fuse_projections": sampler.fuse_projections,
+                  "fuse_projections": sampler.fuse_projections, "gpu_gemm": sampler.gpu_gemm,
                   "cache_sharding": str(sampler._cache["k"][0].sharding.spec if sampler.mesh is not None else None),
                   "steps_per_call": args.steps_per_call, "compiles": dict(sampler.compile_counts),
                   **_summary(args, batch, timing)}
@@ -339,11 +341,16 @@ def main(argv=None) -> int:
     p.add_argument("--fuse-projections", nargs="+", choices=sorted(FUSE), default=["auto"],
                    help="our side once per value: JaxSampler(fuse_projections=...): 1 serves q/k/v and gate/up as "
                         "joined GEMMs, 0 as the model's own, auto (the default) joined on one device")
+    p.add_argument("--gpu-gemm", nargs="+", choices=["triton", "cublas"], default=["triton"],
+                   help="our side once per value: JaxSampler(gpu_gemm=...), the programs' matrix products on a GPU "
+                        "through XLA's Triton fusions (the default) or cuBLAS")
     p.add_argument("--out", help="append the JSON results to this file")
     args = p.parse_args(argv)
     if min(args.tensor_parallel) < 1 or (args.mode == "grpo" and (args.tensor_parallel != [1]
-                                                                  or args.fuse_projections != ["auto"])):
-        p.error("--tensor-parallel takes values >= 1; it and --fuse-projections are for the decode mode only")
+                                                                  or args.fuse_projections != ["auto"]
+                                                                  or args.gpu_gemm != ["triton"])):
+        p.error("--tensor-parallel takes values >= 1; it, --fuse-projections and --gpu-gemm are for the decode mode "
+                "only")
 
     if args.mode == "grpo":
         results = run_grpo(args)
@@ -373,7 +380,8 @@ def main(argv=None) -> int:
                "--impl", impl]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        runs = len(args.batches) * (len(args.tensor_parallel) * len(args.fuse_projections) if impl == "jax" else 1)
+        runs = len(args.batches) * (len(args.tensor_parallel) * len(args.fuse_projections) * len(args.gpu_gemm)
+                                    if impl == "jax" else 1)
         if proc.returncode != 0 or len(lines) != runs:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
             raise SystemExit(f"benchmark side {impl!r} failed (exit {proc.returncode})")
@@ -394,7 +402,8 @@ def main(argv=None) -> int:
                    f"({roof['tokens_per_s']:.0f} tok/s, {roof['step_ms']} ms/step)" if roof.get("tokens_per_s")
                    else ", no roofline (unknown device bandwidth; pass --bandwidth)")
         where = (ours["device"] + (f" x{tp} (tensor parallel)" if tp > 1 else "")
-                 + (", q/k/v and gate/up fused" if ours["fuse_projections"] else ""))
+                 + (", q/k/v and gate/up fused" if ours["fuse_projections"] else "")
+                 + (", cuBLAS GEMMs" if ours["gpu_gemm"] == "cublas" else ""))
         print(f"SUMMARY {args.shape} {args.dtype} batch={batch} prompt={args.prompt_len} on {where}: "
               f"decode ours {ours['decode_tokens_per_s']:.0f} tok/s ({ours['decode_step_ms']} ms/step) vs "
               f"transformers.generate {peer['decode_tokens_per_s']:.0f} tok/s ({peer['decode_step_ms']} ms/step): "

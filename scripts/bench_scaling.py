@@ -240,7 +240,8 @@ def run_worker(args) -> dict:
               "micro_batches": args.micro_batches, "layer_row_splits": args.layer_row_splits,
               "attention_segments": config.attention_segments, "collectives": count_collectives(hlo),
               "collectives_in_loops": collectives_in_loops(hlo), "phases_s": phases,
-              "xla_flags": _callers_flags(os.environ.get("XLA_FLAGS", ""))}
+              "xla_flags": _callers_flags(os.environ.get("XLA_FLAGS", "")),
+              "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}}
     if args.compile_only:
         return result
 

@@ -65,7 +65,7 @@ def run_jax(args) -> dict:
     from agentfly_jax.models import CausalLM, ModelConfig, init_params
     from agentfly_jax.trainer import (OptimizerConfig, create_train_state, make_optimizer, make_train_step,
                                       pack_step, take_minibatch, token_logprobs)
-    from agentfly_jax.trainer.update import step_compiler_options
+    from agentfly_jax.models.config import gpu_compiler_options
 
     shape = SHAPES[args.shape]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -87,7 +87,7 @@ def run_jax(args) -> dict:
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
     alg = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})  # PPO clipped loss, token-mean
     step = make_train_step(model, alg, optimizer, trainable=trainable, gpu_gemm=args.gpu_gemm)
-    options = step_compiler_options(args.gpu_gemm)  # the forward / grad modes' programs compile as the step does
+    options = gpu_compiler_options(args.gpu_gemm)  # the forward / grad modes' programs compile as the step does
 
     rng = np.random.default_rng(0)
     b, t = args.batch, args.seq_len

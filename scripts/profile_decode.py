@@ -93,7 +93,8 @@ def profile_batch(args, model, params, batch: int) -> dict:
     sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps,
                          prefix_caching=False, sampling_noise=args.noise,
                          decode_attention=args.attention,
-                         fuse_projections={"auto": "auto", "0": False, "1": True}[args.fuse_projections])
+                         fuse_projections={"auto": "auto", "0": False, "1": True}[args.fuse_projections],
+                         gpu_gemm=args.gpu_gemm)
     cfg = sampler._cfg
     cfg["temperature"][:] = 1.0
     cfg["budget"][:] = max_len
@@ -124,7 +125,7 @@ def profile_batch(args, model, params, batch: int) -> dict:
         cache, state = run(cache, state, args.calls, args.context)
     summary = summarise(device_events(os.path.join(trace_dir, f"batch{batch}")), args.calls * args.steps, args.top,
                         scopes)
-    return {"batch": batch, "fuse_projections": sampler.fuse_projections, "context": args.context,
+    return {"batch": batch, "fuse_projections": sampler.fuse_projections, "gpu_gemm": sampler.gpu_gemm, "context": args.context,
             "steps_per_call": args.steps, "wall_ms_per_step": round(wall_ms, 4),
             "tokens_per_s": round(batch / wall_ms * 1e3, 1), **summary}
 
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--pallas", help="the Pallas decode kernel's 'splits,block_k,warps' (decode.set_pallas_tuning)")
     p.add_argument("--fuse-projections", choices=["auto", "0", "1"], default="auto",
                    help="JaxSampler fuse_projections: 1 joins q/k/v and gate/up (decode.fuse_projections), 0 not")
+    p.add_argument("--gpu-gemm", choices=["triton", "cublas"], default="triton",
+                   help="JaxSampler gpu_gemm: how the decode program's matrix products compile on a GPU")
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--keep-trace", help="write the raw traces under this directory")
     p.add_argument("--out", help="append the JSON lines to this file")

@@ -4,7 +4,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+
+# How XLA compiles matrix products on a GPU backend (`config.model.gpu_gemm`, `config.jax_sampler.gpu_gemm`):
+# "cublas" turns XLA's Triton GEMM fusions off so that every product goes to cuBLAS; "triton" keeps XLA's default
+# (Triton fusions where its autotuner picks them)
+GPU_GEMMS = ("cublas", "triton")
+
+
+def gpu_compiler_options(gpu_gemm: str) -> dict | None:
+    """XLA compiler options for a jitted program whose matrix products follow `gpu_gemm` (one of GPU_GEMMS): on a
+    GPU backend "cublas" is `{"xla_gpu_enable_triton_gemm": False}`; None (XLA's defaults) for "triton" and on
+    other backends. Pass the result as `jax.jit(..., compiler_options=...)`."""
+    if gpu_gemm not in GPU_GEMMS:
+        raise ValueError(f"gpu_gemm={gpu_gemm!r}: expected one of {', '.join(GPU_GEMMS)}")
+    if gpu_gemm == "cublas" and jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return None
+
 
 # HF `architectures` entry -> our family name. The text families share one decoder; they differ in defaults
 # (qkv bias, tied embeddings, rope scaling) that live in the config, not in code paths. "qwen2_5_vl" is that

@@ -20,6 +20,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from agentfly_jax.algorithms.losses import AGGREGATION_MODES
+from agentfly_jax.models.config import GPU_GEMMS
 
 
 class ConfigError(ValueError):
@@ -110,7 +111,6 @@ class VisionSection:
     fullatt_block_indexes: tuple[int, ...] = knob((1,), lambda v: all(i >= 0 for i in v), "block indexes >= 0")
 
 
-GPU_GEMMS = ("cublas", "triton")  # config.model.gpu_gemm (trainer/update.py: step_compiler_options)
 OPTIMIZER_FUSED = ("off", "per_leaf", "stacked", "hybrid")  # config.optimizer.fused (state.py: make_optimizer)
 
 
@@ -228,6 +228,9 @@ class JaxSamplerSection:
     # serve each layer's q/k/v projections as one GEMM and gate/up as another (weights joined at every sync):
     # "auto" = "on" on one device, "off" under tensor_parallel > 1 (where "on" is refused)
     fuse_projections: str = knob("auto", *_one_of("auto", "on", "off"))
+    # how the sampler's programs compile their matrix products on a GPU: "triton" (XLA's default) or "cublas"
+    # (models/config.py: gpu_compiler_options; the update's own is config.model.gpu_gemm)
+    gpu_gemm: str = knob("triton", *_one_of(*GPU_GEMMS))
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and
     # updates then never queue behind each other on one device (asynchronous training on a GPU box)
     separate_device: bool = False

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from agentfly_jax import algorithms
 from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.models import CausalLM, lora
+from agentfly_jax.models.config import gpu_compiler_options
 from agentfly_jax.trainer.batch import PackedRows, UpdateBatch
-from agentfly_jax.trainer.config import GPU_GEMMS
 from agentfly_jax.trainer.state import ModelState, TrainState
 
 
@@ -290,22 +290,11 @@ def _pack(per_trajectory, batch: UpdateBatch):
     return flat[batch.pack_index]
 
 
-def step_compiler_options(gpu_gemm: str = "cublas") -> dict | None:
-    """XLA options for compiling the update phase's programs (prepare, the RL and SFT steps): on a GPU backend,
-    `gpu_gemm="cublas"` turns XLA's Triton GEMM fusions off so that the matrix products go to cuBLAS
-    (`config.model.gpu_gemm`); None (XLA's defaults) for "triton" and off GPUs."""
-    if gpu_gemm not in GPU_GEMMS:
-        raise ValueError(f"gpu_gemm={gpu_gemm!r}: expected one of {', '.join(GPU_GEMMS)}")
-    if gpu_gemm == "cublas" and jax.default_backend() == "gpu":
-        return {"xla_gpu_enable_triton_gemm": False}
-    return None
-
-
 def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, gpu_gemm="cublas"):
     """Jitted `prepare(state, batch) -> (batch, metrics)`: fills the rows' old logprobs (the policy before this
     update), reference logprobs (with a KL knob), old values (with a critic), advantages and returns (the
     recipe's estimator on the trajectory view), and loss weights (the recipe's aggregation over each
-    mini-batch), all on the device in one pass; `gpu_gemm` see `step_compiler_options`."""
+    mini-batch), all on the device in one pass; `gpu_gemm`: `models.config.gpu_compiler_options`."""
     recipe = alg.recipe
 
     def logprob_fn(params, rows):
@@ -351,7 +340,7 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, 
         }
         return batch.replace(rows=filled), metrics
 
-    return jax.jit(prepare, compiler_options=step_compiler_options(gpu_gemm))
+    return jax.jit(prepare, compiler_options=gpu_compiler_options(gpu_gemm))
 
 
 # ---------------------------------------------------------------------------------------------- the steps
@@ -360,7 +349,7 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
                     state_sharding=None, trainable=None, gpu_gemm="cublas"):
     """Returns jitted `train_step(state, rows) -> (state, metrics)` on one mini-batch of prepared PackedRows
     [M, R, L]. The state is donated; with `state_sharding` the new state keeps that sharding. `trainable`
-    (e.g. `lora.is_adapter`) trains only those policy parameters; `gpu_gemm` see `step_compiler_options`."""
+    (e.g. `lora.is_adapter`) trains only those policy parameters; `gpu_gemm`: `models.config.gpu_compiler_options`."""
 
     def train_step(state: TrainState, micro_batches: PackedRows):
         metrics = {}
@@ -385,14 +374,14 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings,
-                   compiler_options=step_compiler_options(gpu_gemm))
+                   compiler_options=gpu_compiler_options(gpu_gemm))
 
 
 def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chunk=None, lr_schedule=None,
                   state_sharding=None, trainable=None, gpu_gemm="cublas"):
     """Jitted `sft_step(state, rows [M, R, L]) -> (state, metrics)`: supervised fine-tuning on the same packed,
     action-masked rows as RL, token-mean over the mini-batch (only the policy is trained; with `trainable`,
-    only those of its parameters; `gpu_gemm` see `step_compiler_options`)."""
+    only those of its parameters; `gpu_gemm`: `models.config.gpu_compiler_options`)."""
 
     def sft_step(state: TrainState, micro_batches: PackedRows):
         mask = micro_batches.action_mask
@@ -408,7 +397,7 @@ def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chu
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings,
-                   compiler_options=step_compiler_options(gpu_gemm))
+                   compiler_options=gpu_compiler_options(gpu_gemm))
 
 
 def take_minibatch(rows: PackedRows, k: int) -> PackedRows:

@@ -179,3 +179,37 @@ def test_fuse_projections_settings(tiny_model):
         assert JaxSampler(model, params, tensor_parallel=2).fuse_projections is False  # "auto" on a mesh
         with pytest.raises(ValueError, match="runs on one device"):
             JaxSampler(model, params, tensor_parallel=2, fuse_projections=True)
+
+
+def test_gpu_gemm_reaches_every_program(tiny_model, monkeypatch):
+    """JaxSampler(gpu_gemm=...): on a GPU backend "cublas" compiles every program of the sampler (prompt passes,
+    inserts, decode) with XLA's Triton GEMMs off, "triton" with XLA's defaults; an unknown name is refused. The
+    backend is patched to "gpu" and jax.jit recorded (the programs then compile for this CPU without the option)."""
+    model, params = tiny_model
+    real_jit = jax.jit
+    seen = []
+
+    def recording_jit(fn, **kwargs):
+        seen.append((getattr(fn, "__name__", "?"), kwargs.pop("compiler_options", None)))
+        return real_jit(fn, **kwargs)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    cublas = JaxSampler(model, params, max_slots=2, gpu_gemm="cublas")
+    names = {name for name, _ in seen}
+    assert {"prefill", "decode_call", "insert"} <= names, names
+    assert all(options == {"xla_gpu_enable_triton_gemm": False} for _, options in seen), seen
+    seen.clear()
+    triton = JaxSampler(model, params, max_slots=2)
+    assert triton.gpu_gemm == "triton" and seen and all(options is None for _, options in seen), seen
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="gpu_gemm='cutlass'"):
+        JaxSampler(model, params, gpu_gemm="cutlass")
+    # the recorded programs still run: a short greedy generation on this CPU
+    async def go():
+        try:
+            return await cublas.generate([1, 2, 3], max_tokens=3, temperature=0.0)
+        finally:
+            await cublas.close()
+
+    assert len(asyncio.run(go())[0].token_ids) == 3

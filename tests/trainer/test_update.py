@@ -524,17 +524,19 @@ def test_prepare_and_update_sharded_equal_single_device(policy):
         assert abs(float(sharded[2][key]) - float(single[2][key])) <= 1e-5 * max(1.0, abs(float(single[2][key]))), key
 
 
-def test_step_compiler_options_send_gemms_to_cublas_only_on_a_gpu(monkeypatch):
-    """config.model.gpu_gemm: "cublas" turns XLA's Triton GEMMs off for the update steps on a GPU backend; XLA's
+def test_gpu_compiler_options_send_gemms_to_cublas_only_on_a_gpu(monkeypatch):
+    """config.model.gpu_gemm (and the sampler's): "cublas" turns XLA's Triton GEMMs off on a GPU backend; XLA's
     defaults elsewhere and for "triton"; anything else is refused by name."""
-    from agentfly_jax.trainer import update as upd
+    from agentfly_jax.models.config import gpu_compiler_options
     from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
-    assert upd.step_compiler_options("cublas") is None  # this CPU
-    monkeypatch.setattr(upd.jax, "default_backend", lambda: "gpu")
-    assert upd.step_compiler_options("cublas") == {"xla_gpu_enable_triton_gemm": False}
-    assert upd.step_compiler_options("triton") is None
+    assert gpu_compiler_options("cublas") is None  # this CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert gpu_compiler_options("cublas") == {"xla_gpu_enable_triton_gemm": False}
+    assert gpu_compiler_options("triton") is None
     with pytest.raises(ValueError, match="gpu_gemm='cutlass'"):
-        upd.step_compiler_options("cutlass")
+        gpu_compiler_options("cutlass")
     with pytest.raises(ConfigError, match="model.gpu_gemm"):
         TrainConfig.build({"model": {"gpu_gemm": "cutlass"}})
+    with pytest.raises(ConfigError, match="jax_sampler.gpu_gemm"):
+        TrainConfig.build({"jax_sampler": {"gpu_gemm": "cutlass"}})

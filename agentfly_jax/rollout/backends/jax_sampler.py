@@ -126,6 +126,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentfly_jax.models import decode, sharding
+from agentfly_jax.models.config import gpu_compiler_options
 from agentfly_jax.models.qwen2_5_vl import Qwen2_5_VLCausalLM, mrope_positions, pad_patches, vision_layout
 from agentfly_jax.models.transformer import CausalLM
 from agentfly_jax.rollout.backends.base import Completion, GenerationBackend
@@ -341,6 +342,9 @@ class JaxSampler(GenerationBackend):
         GEMMs per decode step (on an H200 at the Qwen2.5-0.5B shape, 7-10% faster decode steps at 64 and 256
         slots, docs/benchmarks.md). True runs on one device only; "auto" (the default): True on one device, False
         on a tensor-parallel mesh (a joined kernel's heads would mix q, k and v across the shards).
+      gpu_gemm: how every program's matrix products compile on a GPU (`models.config.gpu_compiler_options`):
+        "triton" (XLA's default: its Triton GEMM fusions where the autotuner picks them) or "cublas"; no effect
+        on other backends.
       device: the jax device to run on (default: the first).
       tensor_parallel: run over this many local devices (the first ones), the model split over them (module
         docstring); 1: one device.
@@ -353,7 +357,7 @@ class JaxSampler(GenerationBackend):
                  max_stop_tokens: int = 8, prefill_patches: int = 8192, min_patch_bucket: int = 256,
                  cache_dtype=None, prefix_caching: bool = True, prefix_min_tokens: int = 16, seed: int = 0,
                  sampling_noise: str = "hash", decode_attention: str = "auto", fuse_projections: bool | str = "auto",
-                 device=None, tensor_parallel: int = 1, mesh: Mesh | None = None):
+                 gpu_gemm: str = "triton", device=None, tensor_parallel: int = 1, mesh: Mesh | None = None):
         if not isinstance(model, (CausalLM, Qwen2_5_VLCausalLM)):
             raise TypeError(f"JaxSampler needs an agentfly_jax CausalLM or Qwen2_5_VLCausalLM, got "
                             f"{type(model).__name__}")
@@ -395,6 +399,10 @@ class JaxSampler(GenerationBackend):
         if fuse_projections is True and (mesh is not None or tensor_parallel > 1):
             raise ValueError("JaxSampler fuse_projections=True runs on one device: under a tensor-parallel mesh a "
                              "joined kernel's heads would mix q, k and v across the shards (use 'auto' or False)")
+        #: how the programs' matrix products compile on a GPU (`models.config.GPU_GEMMS`): "triton" (XLA's default)
+        #: or "cublas"
+        self.gpu_gemm = gpu_gemm
+        self._compiler_options = gpu_compiler_options(gpu_gemm)  # checks the name too
         self.prefix_min_tokens = int(prefix_min_tokens)
         #: the mesh the programs run on (None: one device); its "tensor" axis splits the model
         self.mesh = _sampler_mesh(device, tensor_parallel, mesh)
@@ -548,7 +556,9 @@ class JaxSampler(GenerationBackend):
     def _jit(self, fn, out_shardings, **options):
         """jax.jit of a program; on a mesh, traced with the mesh and the logical axis rules active (the activation
         constraints of `decode.extend` and the model) and its outputs pinned to the cache's and state's layouts
-        (so a donated cache is updated in place and no call reshards it)."""
+        (so a donated cache is updated in place and no call reshards it). Every program compiles its matrix
+        products as `gpu_gemm` says."""
+        options = dict(options, compiler_options=self._compiler_options)
         if self.mesh is None:
             return jax.jit(fn, **options)
 
