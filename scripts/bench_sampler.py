@@ -55,6 +55,7 @@ import time
 # Runnable as `python scripts/bench_sampler.py` from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agentfly_jax.models.config import GPU_GEMMS  # noqa: E402
 from agentfly_jax.models.shapes import SHAPES  # noqa: E402
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # matched in this order against the device name
 
@@ -341,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--fuse-projections", nargs="+", choices=sorted(FUSE), default=["auto"],
                    help="our side once per value: JaxSampler(fuse_projections=...): 1 serves q/k/v and gate/up as "
                         "joined GEMMs, 0 as the model's own, auto (the default) joined on one device")
-    p.add_argument("--gpu-gemm", nargs="+", choices=["triton", "cublas"], default=["triton"],
+    p.add_argument("--gpu-gemm", nargs="+", choices=GPU_GEMMS, default=["triton"],
                    help="our side once per value: JaxSampler(gpu_gemm=...), the programs' matrix products on a GPU "
                         "through XLA's Triton fusions (the default) or cuBLAS")
     p.add_argument("--out", help="append the JSON results to this file")

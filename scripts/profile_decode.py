@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trace_timeline
 
+from agentfly_jax.models.config import GPU_GEMMS  # noqa: E402
 from agentfly_jax.models.shapes import SHAPES  # noqa: E402
 from trace_timeline import device_timelines, hlo_labels, kernel_key  # noqa: E402
 
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--pallas", help="the Pallas decode kernel's 'splits,block_k,warps' (decode.set_pallas_tuning)")
     p.add_argument("--fuse-projections", choices=["auto", "0", "1"], default="auto",
                    help="JaxSampler fuse_projections: 1 joins q/k/v and gate/up (decode.fuse_projections), 0 not")
-    p.add_argument("--gpu-gemm", choices=["triton", "cublas"], default="triton",
+    p.add_argument("--gpu-gemm", choices=GPU_GEMMS, default="triton",
                    help="JaxSampler gpu_gemm: how the decode program's matrix products compile on a GPU")
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--keep-trace", help="write the raw traces under this directory")

@@ -71,3 +71,14 @@ def test_bench_sampler_tensor_parallel_short():
     assert [(r["batch"], r["tensor_parallel"]) for r in records] == [(4, 2)]
     assert records[0]["cache_sharding"] == "P(None, 'tensor', None, None)"  # tiny: 2 kv heads, 1 per device
     assert records[0]["decode_tokens_per_s"] > 0 and sum(records[0]["compiles"].values()) <= 6
+
+
+def test_decode_only_options_are_refused_in_grpo_mode(capsys):
+    """--tensor-parallel, --fuse-projections and --gpu-gemm vary our decode runs; the GRPO mode runs one sampler
+    setting, so it refuses them by name instead of ignoring them."""
+    bench = load_bench()
+    for extra in (["--gpu-gemm", "cublas"], ["--fuse-projections", "0"], ["--tensor-parallel", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--mode", "grpo", *extra])
+        assert exc.value.code == 2
+        assert "--gpu-gemm are for the decode mode only" in capsys.readouterr().err
