@@ -289,8 +289,9 @@ class _Slot:
                     pass
         return list(pids)
 
-    async def kill_all(self, deadline_s: float = KILL_DEADLINE_S) -> bool:
-        """Kills the whole process tree of the slot; True once no process of its uid is left."""
+    async def kill_all(self, deadline_s: float = KILL_DEADLINE_S, *, until_child_exits: bool = False) -> bool:
+        """Kills the whole process tree of the slot; True once no process of its uid is left, or with
+        `until_child_exits` once our direct child (bwrap's monitor) has exited."""
         start = time.monotonic()
         rounds = 0
         while time.monotonic() - start < deadline_s:
@@ -307,7 +308,7 @@ class _Slot:
                     await asyncio.wait_for(proc.wait(), 0.05)
                 except asyncio.TimeoutError:
                     pass
-            elif not pids:
+            elif not pids or until_child_exits:
                 return True
             rounds += 1
             await asyncio.sleep(0.01 if rounds < 10 else 0.05)
@@ -318,10 +319,29 @@ class _Slot:
         if self.released:
             return
         self.released = True
-        clean = await self.kill_all()
-        if not clean:
-            log.error("bwrap sandbox uid %d still has processes after SIGKILL; quarantining it", self.uid)
-        _ALLOCATOR.release(self.uid, quarantine=not clean)
+        clean = False
+        try:
+            clean = await self.kill_all()
+        finally:  # also when cancelled (a loop shutting down): the uid goes back or is quarantined
+            if not clean:
+                self.kill_now()
+                clean = not processes_of_uids([self.uid])
+            if not clean:
+                log.error("bwrap sandbox uid %d still has processes after SIGKILL; quarantining it", self.uid)
+            _ALLOCATOR.release(self.uid, quarantine=not clean)
+
+    async def stop(self) -> None:
+        """Ends a run: SIGKILLs the slot's processes until our child (bwrap's monitor) has exited. The
+        namespace's processes die with its init (pid 1 inside, the monitor's child); what a fork bomb leaves
+        is SIGKILLed and being reaped by the kernel, which on a loaded machine took seconds, and the run's
+        result need not wait for that: if any process of the uid is left, the rest of the release goes to a
+        background task (`release_soon`: kill and wait for what is still dying, then give the uid back or
+        quarantine it). The uid is not handed out again before its release ends."""
+        await self.kill_all(until_child_exits=True)
+        if processes_of_uids([self.uid]):
+            self.release_soon()
+        else:  # the usual case: nothing left, the uid goes back now
+            await self.release()
 
     def release_soon(self) -> None:
         """Release from a cancelled or synchronous context: kill now, finish in a background task."""
@@ -570,7 +590,7 @@ class BwrapSandbox:
                     f"[sandbox] output exceeded {self.limits.output_kill_bytes // MiB} MiB; the process "
                     f"was killed"
                 )
-            await slot.release()
+            await slot.stop()
             exit_code = proc.returncode if proc.returncode is not None else 137
         except BaseException:
             slot.release_soon()
