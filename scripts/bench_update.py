@@ -161,9 +161,10 @@ _KERNEL_KINDS = (("GEMM", r"gemm|cublas|nvjet|xmma|cutlass|matmul|dot"),
 
 def _profile(one, hlo_text: str, calls: int) -> dict:
     """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update
-    (trace_timeline.update_part), by kind of kernel, the time between kernels (idle), and the largest names
+    (trace_timeline.update_part), by kind of kernel, the time between kernels (idle), the largest names
     left unlabelled (`unlabelled_top`: HLO ops the program's text does not label, or kernels the trace names
-    only by themselves)."""
+    only by themselves), and the largest copies (`copies_top`: ms per call and what the instruction is: its
+    shape, opcode and op_name)."""
     import re
     import shutil
     import tempfile
@@ -171,8 +172,8 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     import jax
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from trace_timeline import (COLLECTIVE, breakdown, device_events, hlo_labels, kernel_key, named, time_by_label,
-                                update_part)
+    from trace_timeline import (COLLECTIVE, breakdown, device_events, hlo_instructions, hlo_labels, kernel_key,
+                                named, time_by_label, update_part)
 
     trace_dir = tempfile.mkdtemp(prefix="bench-update-trace-")
     try:
@@ -196,9 +197,15 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     # what stayed unlabelled, by name: says whether the trace's names or the program's op names are missing
     unlabelled = time_by_label([e for e in by_op if kernel_key(e[0]) not in labels],
                                {kernel_key(n): n[:80] for n, _, _ in by_op}, calls)
+    # the copies by the instruction they run (a trace may name a library copy only by its HLO op)
+    copies = [(op or kernel, start, end) for kernel, op, start, end in events if kinds[kernel_key(kernel)] == "copies"]
+    described = hlo_instructions(hlo_text)
+    by_copy = time_by_label(copies, {kernel_key(n): n for n, _, _ in copies}, calls)
+    copies_top = {name: {"ms": ms, "hlo": described.get(kernel_key(name), "")}
+                  for name, ms in list(by_copy.items())[:15]}
     return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"], "parts_ms": parts,
             "kinds_ms": time_by_label(by_kernel, kinds, calls),
-            "unlabelled_top": dict(list(unlabelled.items())[:12])}
+            "unlabelled_top": dict(list(unlabelled.items())[:12]), "copies_top": copies_top}
 
 
 def _time_optimizers(args, params, trainable) -> dict:

@@ -120,6 +120,20 @@ def hlo_labels(hlo_text: str, label_of: Callable[[str], str | None]) -> dict[str
     return label
 
 
+def hlo_instructions(hlo_text: str) -> dict[str, str]:
+    """{kernel_key(instruction): "<shape> <opcode> <op_name>"} of every instruction in a compiled program's text
+    (fused ones included; the op_name's last 120 characters): what a kernel named after its instruction computes,
+    and for which part of the jitted function."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+([\w\-]+)\(", line)
+        if m:
+            name, shape, opcode = m.groups()
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            out[kernel_key(name)] = f"{shape} {opcode}" + (f" {op_name.group(1)[-120:]}" if op_name else "")
+    return out
+
+
 # The parts of the trainer's update step, from an HLO instruction's op_name (flax module paths; in the backward
 # `transpose(jvp(...))`); the first pattern that matches names it
 _MODEL_PARTS = (("q/k/v projections", r"/(q_proj|k_proj|v_proj)(/|$)"), ("o_proj", r"/o_proj(/|$)"),

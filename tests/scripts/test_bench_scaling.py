@@ -220,3 +220,26 @@ def test_trace_events_are_named_by_whichever_name_the_program_labels():
     assert [n for n, _, _ in timeline.named(events)] == [e[0] for e in events]
     assert timeline.time_by_label(timeline.named(events, labels), labels, 1e-6) == {  # ns as ms: 1e-6 "steps"
         "norms (forward)": 20, "unlabelled": 15, "MLP (forward)": 10}
+
+
+def test_hlo_instructions_describe_each_instruction_by_its_kernel_key():
+    """trace_timeline.hlo_instructions: shape, opcode and op_name of every instruction (tuple shapes, fused
+    instructions and ones without metadata included), keyed as the trace's kernels are."""
+    timeline = load_script("trace_timeline")
+    hlo = """HloModule jit_step
+%fused_computation.3 (param_0: bf16[8,16]) -> bf16[16,8] {
+  %param_0 = bf16[8,16]{1,0} parameter(0)
+  ROOT %transpose.1 = bf16[16,8]{1,0} transpose(bf16[8,16]{1,0} %param_0), dimensions={1,0}, metadata={op_name="jit(step)/mlp/transpose"}
+}
+ENTRY %main (p: bf16[8,16]) -> (bf16[16,8], f32[]) {
+  %p = bf16[8,16]{1,0} parameter(0)
+  %copy.7 = bf16[8,16]{0,1} copy(bf16[8,16]{1,0} %p)
+  %loop_transpose_fusion.2 = bf16[16,8]{1,0} fusion(bf16[8,16]{0,1} %copy.7), kind=kLoop, calls=%fused_computation.3, metadata={op_name="jit(step)/transpose(jvp(model))/mlp/down_proj/dot_general"}
+  %tuple.4 = (bf16[16,8]{1,0}, f32[]) tuple(bf16[16,8]{1,0} %loop_transpose_fusion.2, f32[] %c)
+}"""
+    got = timeline.hlo_instructions(hlo)
+    assert got["copy_7"] == "bf16[8,16]{0,1} copy"
+    assert got["transpose_1"] == "bf16[16,8]{1,0} transpose jit(step)/mlp/transpose"
+    assert got["loop_transpose_fusion_2"] == ("bf16[16,8]{1,0} fusion "
+                                              "jit(step)/transpose(jvp(model))/mlp/down_proj/dot_general")
+    assert got["tuple_4"] == "(bf16[16,8]{1,0}, f32[]) tuple"
