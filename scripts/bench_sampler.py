@@ -31,8 +31,8 @@ two computations' rounding flips a draw).
 the HBM bandwidth of all N devices (each reads its share of the weights and the cache). The peer runs on one.
 --fuse-projections auto|0|1 [...]: likewise once per value, `JaxSampler(fuse_projections=...)` (q/k/v and gate/up
 as joined GEMMs: 1; the model's own: 0; auto, the default: joined on one device).
---gpu-gemm triton|cublas [...]: likewise, `JaxSampler(gpu_gemm=...)` (how the programs' matrix products compile on a
-GPU: XLA's Triton fusions, the default, or cuBLAS).
+--gpu-gemm triton|cublas|triton_exhaustive [...]: likewise, `JaxSampler(gpu_gemm=...)` (how the programs' matrix
+products compile on a GPU: XLA's Triton fusions, the default; cuBLAS; Triton with every tiling tried).
 
 Each side runs every batch size after a warm-up, --repeats rounds each with N = --new-tokens and N + --extra-tokens new
 tokens, and keeps the fastest round of each;
@@ -344,7 +344,7 @@ def main(argv=None) -> int:
                         "joined GEMMs, 0 as the model's own, auto (the default) joined on one device")
     p.add_argument("--gpu-gemm", nargs="+", choices=GPU_GEMMS, default=["triton"],
                    help="our side once per value: JaxSampler(gpu_gemm=...), the programs' matrix products on a GPU "
-                        "through XLA's Triton fusions (the default) or cuBLAS")
+                        "through XLA's Triton fusions (the default), cuBLAS, or Triton with every tiling tried")
     p.add_argument("--out", help="append the JSON results to this file")
     args = p.parse_args(argv)
     if min(args.tensor_parallel) < 1 or (args.mode == "grpo" and (args.tensor_parallel != [1]
@@ -404,7 +404,7 @@ def main(argv=None) -> int:
                    else ", no roofline (unknown device bandwidth; pass --bandwidth)")
         where = (ours["device"] + (f" x{tp} (tensor parallel)" if tp > 1 else "")
                  + (", q/k/v and gate/up fused" if ours["fuse_projections"] else "")
-                 + (", cuBLAS GEMMs" if ours["gpu_gemm"] == "cublas" else ""))
+                 + (f", {ours['gpu_gemm']} GEMMs" if ours["gpu_gemm"] != "triton" else ""))
         print(f"SUMMARY {args.shape} {args.dtype} batch={batch} prompt={args.prompt_len} on {where}: "
               f"decode ours {ours['decode_tokens_per_s']:.0f} tok/s ({ours['decode_step_ms']} ms/step) vs "
               f"transformers.generate {peer['decode_tokens_per_s']:.0f} tok/s ({peer['decode_step_ms']} ms/step): "

@@ -145,9 +145,9 @@ class ModelSection:
     # 0: always the mask. 8 took the update step from 308 to 296 ms at Qwen2.5-3B on an H200 (docs/benchmarks.md)
     attention_segments: int = knob(8, *NON_NEGATIVE)
     # how XLA emits the matrix products of the update phase's programs (prepare, the RL and SFT steps) on a GPU:
-    # "cublas" (library GEMMs, faster for the training step on an H200) or "triton" (XLA's own Triton GEMM fusions,
-    # XLA's default). The JAX sampler's decode keeps XLA's default, faster there (docs/benchmarks.md). No effect
-    # off GPUs
+    # "cublas" (library GEMMs, faster for the training step on an H200), "triton" (XLA's own Triton GEMM fusions,
+    # XLA's default) or "triton_exhaustive" (those with every tiling tried by the autotuner: longer compilations).
+    # The JAX sampler has its own (jax_sampler.gpu_gemm, docs/benchmarks.md). No effect off GPUs
     gpu_gemm: str = knob("cublas", *_one_of(*GPU_GEMMS))
     # LoRA: rank-r adapters on `lora_targets`, trained with the base frozen (0: full fine-tuning); weight sync
     # and the exported policy carry the merged weights
@@ -228,7 +228,8 @@ class JaxSamplerSection:
     # serve each layer's q/k/v projections as one GEMM and gate/up as another (weights joined at every sync):
     # "auto" = "on" on one device, "off" under tensor_parallel > 1 (where "on" is refused)
     fuse_projections: str = knob("auto", *_one_of("auto", "on", "off"))
-    # how the sampler's programs compile their matrix products on a GPU: "triton" (XLA's default) or "cublas"
+    # how the sampler's programs compile their matrix products on a GPU: "triton" (XLA's default), "cublas" or
+    # "triton_exhaustive" (every Triton tiling tried: longer compilations, decode 8% faster at 64 slots on an H200)
     # (models/config.py: gpu_compiler_options; the update's own is config.model.gpu_gemm)
     gpu_gemm: str = knob("triton", *_one_of(*GPU_GEMMS))
     # the sampler on the last device and the training mesh on the others (>= 2 devices): generation and

@@ -525,8 +525,9 @@ def test_prepare_and_update_sharded_equal_single_device(policy):
 
 
 def test_gpu_compiler_options_send_gemms_to_cublas_only_on_a_gpu(monkeypatch):
-    """config.model.gpu_gemm (and the sampler's): "cublas" turns XLA's Triton GEMMs off on a GPU backend; XLA's
-    defaults elsewhere and for "triton"; anything else is refused by name."""
+    """config.model.gpu_gemm (and the sampler's): "cublas" turns XLA's Triton GEMMs off on a GPU backend,
+    "triton_exhaustive" turns its exhaustive tiling search on; XLA's defaults elsewhere and for "triton"; anything
+    else is refused by name."""
     from agentfly_jax.models.config import gpu_compiler_options
     from agentfly_jax.trainer.config import ConfigError, TrainConfig
 
@@ -534,6 +535,7 @@ def test_gpu_compiler_options_send_gemms_to_cublas_only_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert gpu_compiler_options("cublas") == {"xla_gpu_enable_triton_gemm": False}
     assert gpu_compiler_options("triton") is None
+    assert gpu_compiler_options("triton_exhaustive") == {"xla_gpu_exhaustive_tiling_search": True}
     with pytest.raises(ValueError, match="gpu_gemm='cutlass'"):
         gpu_compiler_options("cutlass")
     with pytest.raises(ConfigError, match="model.gpu_gemm"):

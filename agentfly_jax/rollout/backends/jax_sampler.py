@@ -343,8 +343,9 @@ class JaxSampler(GenerationBackend):
         slots, docs/benchmarks.md). True runs on one device only; "auto" (the default): True on one device, False
         on a tensor-parallel mesh (a joined kernel's heads would mix q, k and v across the shards).
       gpu_gemm: how every program's matrix products compile on a GPU (`models.config.gpu_compiler_options`):
-        "triton" (XLA's default: its Triton GEMM fusions where the autotuner picks them) or "cublas"; no effect
-        on other backends.
+        "triton" (XLA's default: its Triton GEMM fusions where the autotuner picks them), "cublas", or
+        "triton_exhaustive" (the autotuner tries every tiling: longer compilations; on an H200 decode steps at 64
+        slots took 8% less GPU time, docs/benchmarks.md); no effect on other backends.
       device: the jax device to run on (default: the first).
       tensor_parallel: run over this many local devices (the first ones), the model split over them (module
         docstring); 1: one device.
@@ -399,8 +400,7 @@ class JaxSampler(GenerationBackend):
         if fuse_projections is True and (mesh is not None or tensor_parallel > 1):
             raise ValueError("JaxSampler fuse_projections=True runs on one device: under a tensor-parallel mesh a "
                              "joined kernel's heads would mix q, k and v across the shards (use 'auto' or False)")
-        #: how the programs' matrix products compile on a GPU (`models.config.GPU_GEMMS`): "triton" (XLA's default)
-        #: or "cublas"
+        #: how the programs' matrix products compile on a GPU (`models.config.GPU_GEMMS`)
         self.gpu_gemm = gpu_gemm
         self._compiler_options = gpu_compiler_options(gpu_gemm)  # checks the name too
         self.prefix_min_tokens = int(prefix_min_tokens)
