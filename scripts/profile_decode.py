@@ -109,13 +109,13 @@ def profile_batch(args, model, params, batch: int) -> dict:
     def run(cache, state, calls, position):
         for _ in range(calls):
             position += args.steps
-            kv_len = _bucket(sampler.buckets, min(position + 1, max_len))
+            kv_len = _bucket(sampler.window_buckets, min(position + 1, max_len))
             cache, state, out = sampler._decode(sampler._params, cache, state, cfg_device, kv_len, False, args.steps)
         jax.block_until_ready(out)
         return cache, state
 
     cache, state = run(cache, state, 1, args.context)  # compile
-    kv_len = _bucket(sampler.buckets, min(args.context + args.steps + 1, max_len))
+    kv_len = _bucket(sampler.window_buckets, min(args.context + args.steps + 1, max_len))
     scopes = hlo_scopes(sampler._decode.lower(sampler._params, cache, state, cfg_device, kv_len, False,
                                               args.steps).compile().as_text())
     t = time.perf_counter()

@@ -52,7 +52,8 @@ def test_bench_sampler_short(tmp_path):
             assert record[side]["decode_tokens_per_s"] > 0 and record[side]["e2e_tokens_per_s"] > 0
         assert record["ours"]["impl"] == "agentfly_jax.JaxSampler"
         assert record["peer"]["impl"] == "transformers.generate"
-        assert sum(record["ours"]["compiles"].values()) <= 6  # a handful of programs per batch size
+        # a handful of programs per batch size: a prompt pass, an insert, decode over windows 16, 24, 32, 48, 64
+        assert sum(record["ours"]["compiles"].values()) <= 7
 
 
 @pytest.mark.slow

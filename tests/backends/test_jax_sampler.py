@@ -299,9 +299,46 @@ def test_compiles_a_handful_of_programs(tiny_model):
                                    for p in prompts(40, 8, 1, 200)])
 
     asyncio.run(run())
-    # prompt passes: one per prompt bucket (16..256: 5); decode: one per attention window bucket (16..256: 5)
+    # prompt passes: one per prompt bucket (16..256: 5); decode: one per attention window (16, 24, 32, ..., 256: 9)
     assert sampler.compile_counts["prefill"] <= 5 and sampler.compile_counts["insert"] <= 5
-    assert sampler.compile_counts["decode"] <= 5
+    assert len(sampler.window_buckets) == 9 and sampler.compile_counts["decode"] <= 9
+
+
+def test_decode_windows_are_half_an_octave_apart_and_change_nothing(tiny_model):
+    """Decode calls attend over the smallest window of `window_buckets` (powers of two and the midpoints 1.5x between
+    them) that holds every live position; greedy tokens and logprobs equal those over power-of-two windows only."""
+    from agentfly_jax.rollout.backends.jax_sampler import _window_buckets
+
+    assert _window_buckets(16, 2048) == (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert _window_buckets(16, 300) == (16, 24, 32, 48, 64, 96, 128, 192, 256, 300)
+    assert _window_buckets(1, 3) == (1, 2, 3) and _window_buckets(16, 16) == (16,)
+
+    def run(windows):
+        sampler = make_sampler(tiny_model, max_len=128, prefix_caching=False)
+        if windows is not None:
+            sampler.window_buckets = windows
+        used, decode = [], sampler._decode
+
+        def recording(*args):
+            used.append(args[4])  # kv_len, the call's window
+            return decode(*args)
+
+        sampler._decode = recording
+
+        async def go():
+            async with sampler:
+                return await asyncio.gather(*[sampler.generate(p, max_tokens=30, temperature=0.0)
+                                              for p in prompts(6, 3, 5, 40)])
+
+        return asyncio.run(go()), used, sampler
+
+    finer, used, sampler = run(None)
+    assert set(used) <= set(sampler.window_buckets) and {24, 48} & set(used), used
+    coarse, used_pow2, _ = run(sampler.buckets)
+    assert set(used_pow2) <= {16, 32, 64, 128} and len(used) >= len(used_pow2)
+    for a, b in zip(finer, coarse):
+        assert a[0].token_ids == b[0].token_ids
+        np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------- lifecycle

@@ -254,8 +254,9 @@ def test_compiles_one_prompt_pass_per_length_and_patch_bucket(checkpoint, tokeni
     counts = asyncio.run(run([square, wide]))
     assert counts["prefill_images"] == 2 and counts["prefill"] == 1
     # the image prompts' one slot insert (one prompt bucket), the text prompt started through prefix caching's
-    # in-place prompt pass and its start program, and one decode program, images or not
-    assert counts["insert"] == 1 and counts["start"] == 1 and counts["decode"] == 1
+    # in-place prompt pass and its start program, and the decode programs of the windows the lengths need, images or
+    # not: the prompts' lengths all fall in one octave of windows, its power of two and its 1.5x midpoint
+    assert counts["insert"] == 1 and counts["start"] == 1 and counts["decode"] <= 2
     assert sampler.stats["images"] == 6  # every pass encodes its prompts' images
     asyncio.run(sampler.close())
 

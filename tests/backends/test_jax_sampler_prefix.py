@@ -338,7 +338,7 @@ def test_compiles_stay_bounded(tiny_model):
     assert sampler.stats["prefix_hits"] >= 12 * 2
     assert sampler.compile_counts["prefill"] <= buckets * (buckets + 1) // 2
     assert sampler.compile_counts["start"] == 1 and sampler.compile_counts["insert"] == 0
-    assert sampler.compile_counts["decode"] <= buckets
+    assert sampler.compile_counts["decode"] <= len(sampler.window_buckets)  # 16, 24, 32, ..., 256: 9
 
 
 # ------------------------------------------------------------------------------------------- images

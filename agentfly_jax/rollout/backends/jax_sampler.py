@@ -15,8 +15,9 @@ agents and tools meanwhile.
 Shapes are bucketed so XLA compiles a handful of programs: prompt passes per prompt-length bucket (powers of
 two; with prefix caching per (length bucket of the tokens computed, attention-window bucket) pair, at most
 b(b+1)/2 for b buckets), one program that starts sequences in their slots, decode calls per attention-window
-bucket (the cache prefix long enough for every occupied slot, powers of two) and per whether any slot uses
-top-p/top-k. `compile_counts` tells how many were traced.
+bucket (the cache prefix long enough for every occupied slot: powers of two and the midpoints 1.5x between them,
+so a window reads at most 1.5x the longest live sequence) and per whether any slot uses top-p/top-k.
+`compile_counts` tells how many were traced.
 
 Prefix caching (`prefix_caching=True`, the default). The agent runtime sends each turn of each chain as its own
 request whose prompt is the whole conversation so far, and a GRPO group's n chains as n requests with the same
@@ -143,6 +144,16 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         b *= 2
     out.append(hi)
     return tuple(out)
+
+
+def _window_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Attention windows of decode calls: the powers of two from `lo` and the midpoints 1.5x between them, capped at
+    `hi` (always included). Two per octave, so a window over-reads the live length by at most 1.5x (a power of two
+    alone: up to 2x, on average ~1.4x), for at most twice the decode programs."""
+    out = []
+    for b in _pow2_buckets(lo, hi):
+        out += [b, b + b // 2] if b + b // 2 < hi and b % 2 == 0 else [b]
+    return tuple(sorted({min(b, hi) for b in out}))
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -414,7 +425,9 @@ class JaxSampler(GenerationBackend):
         self._inputs = self.device if self.mesh is None else NamedSharding(self.mesh, P())
         self._param_target = (self.device if self.mesh is None else
                               sharding.param_shardings(model, params, self.mesh, _SAMPLER_RULES))
-        self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)
+        self.buckets = _pow2_buckets(min(min_bucket, self.max_len), self.max_len)  # prompt lengths and windows
+        #: attention windows of decode calls (einsum attention): half an octave apart (`_window_buckets`)
+        self.window_buckets = _window_buckets(self.buckets[0], self.max_len)
         self.prefill_tokens = int(prefill_tokens)
         self.weight_version = 0
         self.compile_counts: collections.Counter = collections.Counter()
@@ -1092,7 +1105,8 @@ class JaxSampler(GenerationBackend):
         steps = self.steps_per_call
         need = int(self._pos_bound[alive].max()) + steps  # every position this call may touch is < need
         # the Pallas kernel reads each slot's keys up to its length whatever the window: one program for all
-        kv_len = self.max_len if self.decode_attention != "xla" else _bucket(self.buckets, min(need, self.max_len))
+        kv_len = (self.max_len if self.decode_attention != "xla" else
+                  _bucket(self.window_buckets, min(need, self.max_len)))
         filtered = bool(((self._cfg["top_p"] < 1.0) | (self._cfg["top_k"] > 0))[alive].any())
         if self._cfg_device is None:
             self._cfg_device = jax.device_put(self._cfg, self._inputs)
