@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trace_timeline
 
 from agentfly_jax.models.config import GPU_GEMMS  # noqa: E402
 from agentfly_jax.models.shapes import SHAPES  # noqa: E402
+from bench_sampler import FUSE  # noqa: E402
 from trace_timeline import device_timelines, hlo_labels, kernel_key  # noqa: E402
 
 # the named scopes of models/decode.py and the sampler's decode program, found in an op's HLO metadata
@@ -94,7 +95,7 @@ def profile_batch(args, model, params, batch: int) -> dict:
     sampler = JaxSampler(model, params, max_slots=batch, max_len=max_len, steps_per_call=args.steps,
                          prefix_caching=False, sampling_noise=args.noise,
                          decode_attention=args.attention,
-                         fuse_projections={"auto": "auto", "0": False, "1": True}[args.fuse_projections],
+                         fuse_projections=FUSE[args.fuse_projections],
                          gpu_gemm=args.gpu_gemm)
     cfg = sampler._cfg
     cfg["temperature"][:] = 1.0
@@ -126,8 +127,8 @@ def profile_batch(args, model, params, batch: int) -> dict:
         cache, state = run(cache, state, args.calls, args.context)
     summary = summarise(device_events(os.path.join(trace_dir, f"batch{batch}")), args.calls * args.steps, args.top,
                         scopes)
-    return {"batch": batch, "fuse_projections": sampler.fuse_projections, "gpu_gemm": sampler.gpu_gemm, "context": args.context,
-            "steps_per_call": args.steps, "wall_ms_per_step": round(wall_ms, 4),
+    return {"batch": batch, "fuse_projections": sampler.fuse_projections, "gpu_gemm": sampler.gpu_gemm,
+            "context": args.context, "steps_per_call": args.steps, "wall_ms_per_step": round(wall_ms, 4),
             "tokens_per_s": round(batch / wall_ms * 1e3, 1), **summary}
 
 
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--noise", choices=["hash", "threefry"], default="hash", help="JaxSampler sampling_noise")
     p.add_argument("--attention", default="auto", help="JaxSampler decode_attention")
     p.add_argument("--pallas", help="the Pallas decode kernel's 'splits,block_k,warps' (decode.set_pallas_tuning)")
-    p.add_argument("--fuse-projections", choices=["auto", "0", "1"], default="auto",
+    p.add_argument("--fuse-projections", choices=sorted(FUSE), default="auto",
                    help="JaxSampler fuse_projections: 1 joins q/k/v and gate/up (decode.fuse_projections), 0 not")
     p.add_argument("--gpu-gemm", choices=GPU_GEMMS, default="triton",
                    help="JaxSampler gpu_gemm: how the decode program's matrix products compile on a GPU")

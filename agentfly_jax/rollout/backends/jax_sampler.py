@@ -151,9 +151,9 @@ def _window_buckets(lo: int, hi: int) -> tuple[int, ...]:
     `hi` (always included). Two per octave, so a window over-reads the live length by at most 1.5x (a power of two
     alone: up to 2x, on average ~1.4x), for at most twice the decode programs."""
     out = []
-    for b in _pow2_buckets(lo, hi):
+    for b in _pow2_buckets(lo, hi):  # ascending, so the midpoints keep the order
         out += [b, b + b // 2] if b + b // 2 < hi and b % 2 == 0 else [b]
-    return tuple(sorted({min(b, hi) for b in out}))
+    return tuple(out)
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
