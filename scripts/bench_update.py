@@ -163,8 +163,9 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     """`calls` more calls of `one` under jax.profiler -> device ms per call by part of the update
     (trace_timeline.update_part), by kind of kernel, the time between kernels (idle), the largest names
     left unlabelled (`unlabelled_top`: HLO ops the program's text does not label, or kernels the trace names
-    only by themselves), and the largest copies (`copies_top`: ms per call and what the instruction is: its
-    shape, opcode and op_name)."""
+    only by themselves), and the largest copies (`copies_top`: ms per call, how many instructions and what they
+    are: shape, opcode and op_name, one entry for the same copy in every layer)."""
+    import collections
     import re
     import shutil
     import tempfile
@@ -201,8 +202,14 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
     copies = [(op or kernel, start, end) for kernel, op, start, end in events if kinds[kernel_key(kernel)] == "copies"]
     described = hlo_instructions(hlo_text)
     by_copy = time_by_label(copies, {kernel_key(n): n for n, _, _ in copies}, calls)
-    copies_top = {name: {"ms": ms, "hlo": described.get(kernel_key(name), "")}
-                  for name, ms in list(by_copy.items())[:15]}
+    # the same copy in every layer is one entry: its description with the layer's number taken out
+    groups = collections.defaultdict(lambda: [0.0, 0])
+    for name, ms in by_copy.items():
+        what = re.sub(r"layers_\d+", "layers_*", described.get(kernel_key(name), "")) or name
+        groups[what][0] += ms
+        groups[what][1] += 1
+    copies_top = [{"ms": round(ms, 3), "count": n, "hlo": what}
+                  for what, (ms, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:15]]
     return {"calls": calls, "span_ms": timeline["span_ms"], "idle_ms": timeline["idle_ms"], "parts_ms": parts,
             "kinds_ms": time_by_label(by_kernel, kinds, calls),
             "unlabelled_top": dict(list(unlabelled.items())[:12]), "copies_top": copies_top}

@@ -92,9 +92,10 @@ def fake_cudnn(monkeypatch):
     """FAKE cuDNN kernels (einsum attention) and a backend choice that takes them; records which kernel ran."""
     class Ran(list):
         shapes: list  # the queries' shapes the packed kernel was traced with
+        bounds: list  # the bound (layout slots) of each packed call that ran
 
     ran = Ran()
-    ran.shapes = []
+    ran.shapes, ran.bounds = [], []
 
     def einsum(q, k, v, mask, label):
         jax.debug.callback(lambda: ran.append(label))
@@ -102,6 +103,7 @@ def fake_cudnn(monkeypatch):
 
     def packed(q, k, v, lengths, offsets):
         ran.shapes.append(q.shape)
+        jax.debug.callback(lambda: ran.bounds.append(lengths.shape[1]))
         # the mask cuDNN's documented packed semantics give, built from the layout alone
         t = q.shape[1]
         pos = jnp.arange(t)
@@ -236,7 +238,45 @@ def test_a_bound_above_the_row_length_is_lowered_to_it(fake_cudnn, monkeypatch):
     want = CausalLM(CFG.replace(attention_impl="xla")).apply({"params": params}, ids, positions, seg)
     got = CausalLM(CFG.replace(attention_segments=10**6)).apply({"params": params}, ids, positions, seg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    assert seen and set(seen) == {24} and set(fake_cudnn) == {"packed"}
+    assert seen and max(seen) == 24 and set(fake_cudnn) == {"packed"}
+
+
+def test_packed_bounds_ladder():
+    assert transformer.packed_bounds(8) == (1, 2, 4, 8)
+    assert transformer.packed_bounds(5) == (1, 2, 4, 5)
+    assert transformer.packed_bounds(1) == (1,)
+    assert transformer.packed_bounds(1024) == (64, 128, 256, 512, 1024)  # at most five: a sixteenth of the bound up
+
+
+@pytest.mark.parametrize("max_sequences", [1, 2, 3])
+def test_a_batch_takes_the_smallest_bound_that_holds_its_rows(fake_cudnn, max_sequences):
+    """cuDNN's backward zeroes a workspace that grows with the bound on every call: a batch whose fullest row has
+    r runs is described with the smallest of 1, 2, 4, 8 that is >= r, forward and backward, with the same result
+    as the einsum path."""
+    rng = np.random.default_rng(11)
+    ids, positions, seg = _batch(rng, max_sequences=max_sequences)
+    if max_sequences == 1:  # one sequence filling each row: a single run
+        seg = jnp.ones_like(seg)
+        ids = jnp.maximum(ids, 1)
+    runs = int(jnp.max(transformer.row_run_counts(seg)))
+    assert runs == int(segment_layout(seg, 8)[2])
+    want_bound = next(b for b in (1, 2, 4, 8) if b >= runs)
+    params = init_params(CausalLM(CFG.replace(attention_impl="xla")), jax.random.PRNGKey(0))
+
+    def value_and_grad(m):
+        def loss(p):
+            logits = m.apply({"params": p}, ids, positions, seg)
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * (seg > 0))
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    want, want_grad = value_and_grad(CausalLM(CFG.replace(attention_impl="xla")))
+    fake_cudnn.clear()
+    fake_cudnn.bounds.clear()
+    got, got_grad = value_and_grad(CausalLM(CFG.replace(attention_segments=8)))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5),
+                 got_grad, want_grad)
+    assert set(fake_cudnn) == {"packed"} and set(fake_cudnn.bounds) == {want_bound}, (runs, fake_cudnn.bounds)
 
 
 def test_config_rejects_a_negative_bound():
