@@ -211,9 +211,9 @@ class ModelConfig:
     # Packed rows (segment ids) under cuDNN attention: N > 0 hands cuDNN each row's segments as starts and
     # lengths (up to N runs of equal ids a row, the padding's included), so it skips the blocks across segments
     # and above the diagonal and reads no [B, T, T] bias; a batch with a row of more runs takes the dense-mask
-    # kernel (same result; `lax.switch`). A batch takes the smallest bound of 1, 2, 4, ..., N that holds its rows
-    # (transformer.packed_bounds: cuDNN's cost grows with the bound). 0: always the dense mask. No effect on the
-    # einsum path. The default, 8, is the trainer's (`config.model.attention_segments`, docs/benchmarks.md).
+    # kernel (same result; `lax.switch`). A batch whose rows hold at most 2 runs (one sequence and its padding)
+    # is described with 2 slots instead (transformer.packed_bounds: cuDNN's cost grows with the bound). 0: always
+    # the dense mask. No effect on the einsum path. The default, 8, is the trainer's (`config.model.attention_segments`, docs/benchmarks.md).
     attention_segments: int = 8
     # LoRA (models/lora.py): rank-r adapters beside the kernels of `lora_targets`, scaled by alpha / r; 0: none
     lora_rank: int = 0
