@@ -241,41 +241,46 @@ def test_a_bound_above_the_row_length_is_lowered_to_it(fake_cudnn, monkeypatch):
     assert seen and max(seen) == 24 and set(fake_cudnn) == {"packed"}
 
 
-def test_packed_bounds_ladder():
+def test_packed_bounds():
     assert transformer.packed_bounds(8) == (2, 8)
     assert transformer.packed_bounds(2) == (2,)
     assert transformer.packed_bounds(1) == (1,)
 
 
-@pytest.mark.parametrize("max_sequences", [1, 2, 3])
-def test_a_batch_takes_the_smallest_bound_that_holds_its_rows(fake_cudnn, max_sequences):
+def test_a_batch_takes_the_smallest_bound_that_holds_its_rows(fake_cudnn):
     """cuDNN's backward zeroes a workspace that grows with the bound on every call: a batch whose fullest row has
     r runs is described with 2 slots where r <= 2 (one sequence and its padding), else with the bound, 8, forward
-    and backward, with the same result as the einsum path."""
-    rng = np.random.default_rng(11)
-    ids, positions, seg = _batch(rng, max_sequences=max_sequences)
-    if max_sequences == 1:  # one sequence filling each row: a single run
-        seg = jnp.ones_like(seg)
-        ids = jnp.maximum(ids, 1)
-    runs = int(jnp.max(transformer.row_run_counts(seg)))
-    assert runs == int(segment_layout(seg, 8)[2])
-    want_bound = 2 if runs <= 2 else 8
+    and backward, with the same result as the einsum path. One program each, three batches through it."""
     params = init_params(CausalLM(CFG.replace(attention_impl="xla")), jax.random.PRNGKey(0))
 
     def value_and_grad(m):
-        def loss(p):
+        def loss(p, ids, positions, seg):
             logits = m.apply({"params": p}, ids, positions, seg)
             return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * (seg > 0))
-        return jax.jit(jax.value_and_grad(loss))(params)
+        return jax.jit(jax.value_and_grad(loss))
 
-    want, want_grad = value_and_grad(CausalLM(CFG.replace(attention_impl="xla")))
-    fake_cudnn.clear()
-    fake_cudnn.bounds.clear()
-    got, got_grad = value_and_grad(CausalLM(CFG.replace(attention_segments=8)))
-    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5),
-                 got_grad, want_grad)
-    assert set(fake_cudnn) == {"packed"} and set(fake_cudnn.bounds) == {want_bound}, (runs, fake_cudnn.bounds)
+    reference, packed = (value_and_grad(CausalLM(CFG.replace(attention_impl="xla"))),
+                         value_and_grad(CausalLM(CFG.replace(attention_segments=8))))
+    rng = np.random.default_rng(11)
+    taken = {}
+    for max_sequences in (1, 2, 3):
+        ids, positions, seg = _batch(rng, max_sequences=max_sequences)
+        if max_sequences == 1:  # one sequence filling each row: a single run
+            seg, ids = jnp.ones_like(seg), jnp.maximum(ids, 1)
+            positions = jnp.broadcast_to(jnp.arange(seg.shape[1]), seg.shape)
+        runs = int(jnp.max(transformer.row_run_counts(seg)))
+        assert runs == int(segment_layout(seg, 8)[2])
+        want, want_grad = reference(params, ids, positions, seg)
+        fake_cudnn.clear()
+        fake_cudnn.bounds.clear()
+        got, got_grad = packed(params, ids, positions, seg)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5),
+                     got_grad, want_grad)
+        assert set(fake_cudnn) == {"packed"}, fake_cudnn
+        taken[runs] = set(fake_cudnn.bounds)
+    assert taken == {1: {2}, 2: {2}, 4: {8}}, taken  # the fullest row's runs -> the bounds that ran
+
 
 
 def test_config_rejects_a_negative_bound():
