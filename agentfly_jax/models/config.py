@@ -213,7 +213,8 @@ class ModelConfig:
     # and above the diagonal and reads no [B, T, T] bias; a batch with a row of more runs takes the dense-mask
     # kernel (same result; `lax.switch`). A batch whose rows hold at most 2 runs (one sequence and its padding)
     # is described with 2 slots instead (transformer.packed_bounds: cuDNN's cost grows with the bound). 0: always
-    # the dense mask. No effect on the einsum path. The default, 8, is the trainer's (`config.model.attention_segments`, docs/benchmarks.md).
+    # the dense mask. No effect on the einsum path. The default, 8, is the trainer's
+    # (`config.model.attention_segments`, docs/benchmarks.md).
     attention_segments: int = 8
     # LoRA (models/lora.py): rank-r adapters beside the kernels of `lora_targets`, scaled by alpha / r; 0: none
     lora_rank: int = 0

@@ -217,7 +217,7 @@ def packed_bounds(max_segments: int) -> tuple[int, ...]:
     """The bounds a batch's packed layout is described with, smallest first: 2 (a row holding one sequence and
     its padding) and `max_segments`. A batch takes the smallest that holds its rows' runs: cuDNN's backward sizes a
     workspace, zeroed on every call, and part of its work by the bound, used or not (at Qwen2.5-3B's heads on an
-    H200, 0.25 ms of zeroing a layer at 8 against 0.03 at 1). Each bound is a cuDNN call of its own to compile
+    H200, 0.25 ms of zeroing a layer at 8 against 0.04 at 1). Each bound is a cuDNN call of its own to compile
     (at 3B, four bounds took the step's compilation from about 50 to 93 s), hence two."""
     return tuple(sorted({min(2, max_segments), max_segments}))
 
