@@ -207,12 +207,6 @@ class SegmentMask:
     max_segments: int = flax.struct.field(pytree_node=False)
 
 
-def row_run_counts(segment_ids):
-    """The runs of equal segment ids in each row of [B, T] -> [B] int32 (`segment_layout`'s count, alone)."""
-    seg = jnp.asarray(segment_ids)
-    return 1 + jnp.sum(seg[:, 1:] != seg[:, :-1], axis=1, dtype=jnp.int32)
-
-
 def packed_bounds(max_segments: int) -> tuple[int, ...]:
     """The bounds a batch's packed layout is described with, smallest first: 2 (a row holding one sequence and
     its padding) and `max_segments`. A batch takes the smallest that holds its rows' runs: cuDNN's backward sizes a
@@ -255,7 +249,7 @@ def _cudnn_packed(q, k, v, segment_ids, max_segments: int, rows: str = "act_batc
         def packed(bound):
             return lambda q, k, v: _packed_kernel(q, k, v, *segment_layout(segment_ids, bound)[:2])
 
-        runs = jnp.max(row_run_counts(segment_ids))
+        runs = segment_layout(segment_ids, bounds[-1])[2]  # the count alone: XLA drops the unused layout
         smallest = sum((runs > b).astype(jnp.int32) for b in bounds)  # len(bounds): more runs than any bound
         return jax.lax.switch(smallest, [*map(packed, bounds),
                                          lambda q, k, v: _dense_kernel(q, k, v, attention_mask(segment_ids))],
