@@ -35,3 +35,23 @@ def test_a_runs_result_does_not_wait_for_leftovers_to_be_reaped(loop, monkeypatc
     lingering["on"] = False  # the kernel reaps it
     loop.run_until_complete(sandbox.close())  # waits for the background release
     assert uid not in bwrap._ALLOCATOR._busy and uid not in bwrap._ALLOCATOR.quarantined
+
+
+def test_a_timed_out_run_whose_monitor_was_killed_reports_137(loop, monkeypatch):
+    """Killing a timed-out run's tree sometimes SIGKILLs bwrap's monitor itself (asyncio then reports -9); the
+    result says 137 either way, as ExecResult documents. Here the monitor is always killed first."""
+    sandbox = sandbox_helpers.require_backend(loop, "bwrap")
+    real_stop = bwrap._Slot.stop
+    killed = []
+
+    async def stop_killing_the_monitor_first(slot):
+        slot.proc.kill()
+        killed.append(await slot.proc.wait())
+        await real_stop(slot)
+
+    monkeypatch.setattr(bwrap._Slot, "stop", stop_killing_the_monitor_first)
+    result = loop.run_until_complete(sandbox.run("while True:\n    pass\n", timeout=1.0))
+    assert killed == [-9]
+    assert result.timed_out and result.exit_code == 137, result
+    assert bwrap.shell_exit_status(-9) == 137 and bwrap.shell_exit_status(3) == 3
+    loop.run_until_complete(sandbox.close())

@@ -40,6 +40,7 @@ from agentfly_jax.envs.sandbox.common import (
     SandboxLimits,
     SandboxUnavailable,
     describe_exit,
+    shell_exit_status,
 )
 from agentfly_jax.envs.sandbox.session import PythonSession, Transport
 
@@ -591,7 +592,9 @@ class BwrapSandbox:
                     f"was killed"
                 )
             await slot.stop()
-            exit_code = proc.returncode if proc.returncode is not None else 137
+            # The monitor (bwrap) may itself be SIGKILLed when the tree is killed: -9, reported as 137 like a
+            # killed child.
+            exit_code = shell_exit_status(proc.returncode) if proc.returncode is not None else 137
         except BaseException:
             slot.release_soon()
             raise

@@ -115,6 +115,12 @@ class CellResult:
     elapsed_s: float = 0.0
 
 
+def shell_exit_status(returncode: int) -> int:
+    """A child's returncode as ExecResult.exit_code reports it: 128 + N when killed by signal N (Python's
+    subprocess and asyncio give -N), else the status itself."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def truncation_note(dropped: int) -> str:
     return f"\n... [{dropped:,} bytes of output truncated] ...\n"
 
