@@ -23,6 +23,7 @@ metrics, summary.json and the final export; checkpoints are saved and restored b
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -92,6 +93,8 @@ class Run:
     serve_params: Any = None  # policy params -> the serving model's params (LoRA: adapters merged)
     trainable: Any = None  # which policy parameters are trained (LoRA: the adapters); None: all
     engine_seen: dict = dataclasses.field(default_factory=dict)  # the sampler's cumulative counters, last logged
+    # programs traced by the jitted steps (prepare, train_step, sft_step): one per new batch shape
+    traces: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     heap_frozen: bool = False  # setup froze the start-up heap (agentfly_jax/heap.py); _close_run gives it back
 
 
@@ -198,11 +201,12 @@ def setup(config, workdir: str | None = None) -> Run:
     shardings = state_shardings(state, mesh, policy_model=policy, policy_opt=policy_opt, critic_model=critic,
                                 critic_opt=critic_opt, rules=rules, trainable=trainable)
     state = jax.device_put(state, shardings)
-    prepare_fn = make_prepare_fn(policy, alg, critic_model=critic, gpu_gemm=cfg.model.gpu_gemm)
+    traces = collections.Counter()
+    prepare_fn = make_prepare_fn(policy, alg, critic_model=critic, gpu_gemm=cfg.model.gpu_gemm, traces=traces)
     train_step = make_train_step(policy, alg, policy_opt, critic_model=critic, critic_opt=critic_opt,
                                  value_clip_eps=cfg.critic.value_clip_eps, value_coef=cfg.critic.value_coef,
                                  lr_schedule=policy_schedule, state_sharding=shardings, trainable=trainable,
-                                 gpu_gemm=cfg.model.gpu_gemm)
+                                 gpu_gemm=cfg.model.gpu_gemm, traces=traces)
 
     # --- Generation backend, environment pools & agent ----------------------------------------------
     # asynchronous training (rl.max_staleness > 0): the event loop runs in its own thread so that chains go on
@@ -231,7 +235,8 @@ def setup(config, workdir: str | None = None) -> Run:
               train_tasks=train_tasks, eval_tasks=eval_tasks, policy=policy, critic=critic, mesh=mesh, rules=rules,
               state=state, shardings=shardings, critic_opt=critic_opt, prepare_fn=prepare_fn, train_step=train_step,
               backend=backend, agent=agent, env_manager=env_manager, writer=writer, checkpointer=checkpointer,
-              runner=runner, serving_model=serving_model, serve_params=serve_params, trainable=trainable)
+              runner=runner, serving_model=serving_model, serve_params=serve_params, trainable=trainable,
+              traces=traces)
     # Everything made so far (imports, models, tokenizer, agent) lives as long as the run: frozen out of the garbage
     # collector's reach, so that the full collections the rollouts set off walk only what the steps make
     # (docs/benchmarks.md, "Rollout runtime overhead at 256 chains").
@@ -267,7 +272,7 @@ def run_sft(run: Run) -> dict:
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer, trainable=run.trainable)
     step_fn = make_sft_step(run.policy, optimizer, logprob_chunk=run.algorithm.logprob_chunk, lr_schedule=schedule,
-                            trainable=run.trainable, gpu_gemm=cfg.model.gpu_gemm)
+                            trainable=run.trainable, gpu_gemm=cfg.model.gpu_gemm, traces=run.traces)
     rng = np.random.default_rng(cfg.seed + 11)
     metrics, step = {}, 0
     guard = _NonFiniteGuard(cfg.max_nonfinite_steps)
@@ -288,7 +293,7 @@ def run_sft(run: Run) -> dict:
             bar.update()
             unchecked.append((step, metrics["sft/nonfinite"]))
             if step % cfg.log_every == 0:
-                run.writer.scalars(step, {**_fetch(metrics),
+                run.writer.scalars(step, {**_fetch(metrics), "sft/compiles": float(run.traces["sft_step"]),
                                           **{k.replace("update/", "sft/"): v for k, v in image_metrics.items()}})
             if step % cfg.log_every == 0 or step == total:
                 for at, skipped in zip([s for s, _ in unchecked], _fetch([v for _, v in unchecked])):
@@ -863,6 +868,10 @@ def train(config, workdir: str | None = None) -> dict:
                 metrics = {**sampling_metrics, **rollout_metrics(run, sampled), **update_metrics, **async_metrics}
             metrics = {**metrics,
                        "update/tokens": tokens * cfg.rl.ppo_epochs,
+                       # programs the update has traced so far (prepare and train_step): each new batch shape
+                       # [K, M, R, L] compiles both again; growing step after step means the packed row count
+                       # keeps changing (config.row_bucket, rl.micro_batch_tokens)
+                       "update/compiles": float(run.traces["prepare"] + run.traces["train_step"]),
                        "time/rollout_s": t_rollout, "time/update_s": t_update, "time/weight_sync_s": t_sync,
                        "throughput/update_tokens_per_s": tokens * cfg.rl.ppo_epochs / max(t_update, 1e-9),
                        "throughput/rollout_tokens_per_s": sampled_tokens / max(t_rollout, 1e-9),

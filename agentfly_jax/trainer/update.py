@@ -10,6 +10,7 @@ the mini-batch. The algorithm's knobs come from its recipe (`algorithms.recipes.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -290,11 +291,26 @@ def _pack(per_trajectory, batch: UpdateBatch):
     return flat[batch.pack_index]
 
 
-def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, gpu_gemm="cublas"):
+def _traced_counting(fn, traces, name: str):
+    """`fn`, counting in `traces[name]` each time jit traces it: once per new input shape (a compile, or a load
+    from the persistent compilation cache). `traces` None: `fn` itself."""
+    if traces is None:
+        return fn
+
+    @functools.wraps(fn)
+    def counted(*args):
+        traces[name] += 1
+        return fn(*args)
+
+    return counted
+
+
+def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, gpu_gemm="cublas", traces=None):
     """Jitted `prepare(state, batch) -> (batch, metrics)`: fills the rows' old logprobs (the policy before this
     update), reference logprobs (with a KL knob), old values (with a critic), advantages and returns (the
     recipe's estimator on the trajectory view), and loss weights (the recipe's aggregation over each
-    mini-batch), all on the device in one pass; `gpu_gemm`: `models.config.gpu_compiler_options`."""
+    mini-batch), all on the device in one pass; `gpu_gemm`: `models.config.gpu_compiler_options`; `traces`: a
+    collections.Counter whose "prepare" counts the programs traced (see `_traced_counting`)."""
     recipe = alg.recipe
 
     def logprob_fn(params, rows):
@@ -340,16 +356,17 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, 
         }
         return batch.replace(rows=filled), metrics
 
-    return jax.jit(prepare, compiler_options=gpu_compiler_options(gpu_gemm))
+    return jax.jit(_traced_counting(prepare, traces, "prepare"), compiler_options=gpu_compiler_options(gpu_gemm))
 
 
 # ---------------------------------------------------------------------------------------------- the steps
 def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.GradientTransformation, *,
                     critic_model=None, critic_opt=None, value_clip_eps=0.2, value_coef=1.0, lr_schedule=None,
-                    state_sharding=None, trainable=None, gpu_gemm="cublas"):
+                    state_sharding=None, trainable=None, gpu_gemm="cublas", traces=None):
     """Returns jitted `train_step(state, rows) -> (state, metrics)` on one mini-batch of prepared PackedRows
     [M, R, L]. The state is donated; with `state_sharding` the new state keeps that sharding. `trainable`
-    (e.g. `lora.is_adapter`) trains only those policy parameters; `gpu_gemm`: `models.config.gpu_compiler_options`."""
+    (e.g. `lora.is_adapter`) trains only those policy parameters; `gpu_gemm`: `models.config.gpu_compiler_options`;
+    `traces`: a collections.Counter whose "train_step" counts the programs traced (`_traced_counting`)."""
 
     def train_step(state: TrainState, micro_batches: PackedRows):
         metrics = {}
@@ -373,15 +390,16 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
         return new_state, metrics
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
-    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings,
-                   compiler_options=gpu_compiler_options(gpu_gemm))
+    return jax.jit(_traced_counting(train_step, traces, "train_step"), donate_argnums=0,
+                   out_shardings=out_shardings, compiler_options=gpu_compiler_options(gpu_gemm))
 
 
 def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chunk=None, lr_schedule=None,
-                  state_sharding=None, trainable=None, gpu_gemm="cublas"):
+                  state_sharding=None, trainable=None, gpu_gemm="cublas", traces=None):
     """Jitted `sft_step(state, rows [M, R, L]) -> (state, metrics)`: supervised fine-tuning on the same packed,
     action-masked rows as RL, token-mean over the mini-batch (only the policy is trained; with `trainable`,
-    only those of its parameters; `gpu_gemm`: `models.config.gpu_compiler_options`)."""
+    only those of its parameters; `gpu_gemm`: `models.config.gpu_compiler_options`; `traces`: a Counter whose
+    "sft_step" counts the programs traced)."""
 
     def sft_step(state: TrainState, micro_batches: PackedRows):
         mask = micro_batches.action_mask
@@ -396,8 +414,8 @@ def make_sft_step(model, optimizer: optax.GradientTransformation, *, logprob_chu
         return state.replace(step=state.step + (1.0 - out["sft/nonfinite"]).astype(state.step.dtype), policy=policy), out
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
-    return jax.jit(sft_step, donate_argnums=0, out_shardings=out_shardings,
-                   compiler_options=gpu_compiler_options(gpu_gemm))
+    return jax.jit(_traced_counting(sft_step, traces, "sft_step"), donate_argnums=0,
+                   out_shardings=out_shardings, compiler_options=gpu_compiler_options(gpu_gemm))
 
 
 def take_minibatch(rows: PackedRows, k: int) -> PackedRows:

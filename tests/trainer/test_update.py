@@ -1,5 +1,6 @@
 """The jitted RL step: `prepare` fills the packed batch exactly as the reference estimators would on the
 unpacked trajectories; micro-batching, packing and sharding leave the update unchanged; it learns."""
+import collections
 import types
 
 import jax
@@ -289,6 +290,29 @@ def test_a_non_finite_step_is_skipped_and_counted(policy):
     assert float(metrics["policy/nonfinite"]) == 0.0 and int(state.step) == 1
     assert _max_diff(state.policy.params, before[0]) > 1e-4
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.policy.opt_state))
+
+
+def test_traces_count_one_program_per_batch_shape(policy):
+    """`traces` counts the programs prepare and train_step trace (the trainer logs them as update/compiles): a
+    second batch of the same shape [K, M, R, L] reuses both programs, a batch packed into more rows traces both
+    again."""
+    model, params = policy
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3))
+    alg = _alg("grpo")
+    traces = collections.Counter()
+    prepare = make_prepare_fn(model, alg, traces=traces)
+    step = make_train_step(model, alg, optimizer, traces=traces)
+    state = create_train_state(_fresh(params), optimizer)
+    seen = []
+    for seed, rows_multiple in ((5, 2), (6, 2), (5, 16)):
+        arrays, lengths = _multi_turn_batch(seed)
+        batch = _pack(arrays, lengths, rewards=np.arange(8, dtype=np.float32), group_ids=np.repeat(np.arange(2), 4),
+                      rows_multiple=rows_multiple)
+        filled, _ = prepare(state, batch)
+        state, _ = step(state, take_minibatch(filled.rows, 0))
+        seen.append((batch.rows.tokens.shape, dict(traces)))
+    assert seen[0][0] == seen[1][0] != seen[2][0]  # 8 trajectories of > T/2 tokens: 8 rows, then 16
+    assert [counts for _, counts in seen] == [{"prepare": 1, "train_step": 1}] * 2 + [{"prepare": 2, "train_step": 2}]
 
 
 def test_ppo_critic_fits_returns(policy):
