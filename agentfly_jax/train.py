@@ -48,6 +48,7 @@ def main(argv) -> None:
 
     try:  # validated once, before the trainer imports JAX models or builds anything
         typed = TrainConfig.build(config)
+        use_compilation_cache(typed)
         distributed.start(typed)  # jax.distributed before any device work; the same config and code everywhere
     except (ConfigError, distributed.DistributedError) as e:
         _die(str(e))
@@ -71,6 +72,32 @@ def main(argv) -> None:
         print(f"\n{summary['algorithm']}: success {summary['success_before']:.2f} -> {summary['success_after']:.2f} "
               f"in {summary['steps']} RL steps, {summary['wall_seconds']:.0f}s. TensorBoard: "
               f"tensorboard --logdir {summary['workdir']}/tensorboard")
+
+
+def use_compilation_cache(cfg, environ=None) -> str | None:
+    """Points XLA's persistent compilation cache at `cfg.compilation_cache_dir` (created; "~" expanded), bounded by
+    `cfg.compilation_cache_max_gb`, unless the environment's JAX_COMPILATION_CACHE_DIR chose one (JAX read it at
+    import) or the key is "". Before anything compiles. Returns the directory in use, or None."""
+    import jax
+
+    environ = os.environ if environ is None else environ
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        path = environ["JAX_COMPILATION_CACHE_DIR"]
+    elif cfg.compilation_cache_dir:
+        path = os.path.abspath(os.path.expanduser(cfg.compilation_cache_dir))
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            from agentfly_jax.trainer.config import ConfigError
+
+            raise ConfigError(f"config.compilation_cache_dir={cfg.compilation_cache_dir!r}: cannot create it ({e}); "
+                              "name a writable directory, or '' to compile without the cache") from None
+        jax.config.update("jax_compilation_cache_dir", path)
+    else:
+        return None
+    jax.config.update("jax_compilation_cache_max_size", int(cfg.compilation_cache_max_gb * 2**30))
+    logging.getLogger(__name__).info("XLA compilation cache: %s", path)
+    return path
 
 
 def _stopped_by_another(interrupt: KeyboardInterrupt) -> None:

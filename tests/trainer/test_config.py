@@ -285,6 +285,7 @@ ATTACK_TABLE = [
     ("sft", "stages", ((10, 1.5),), "(steps >= 1, expert fraction in [0, 1]) pairs"),
     ("sft", "stages", ((-10, 0.5),), "(steps >= 1, expert fraction in [0, 1]) pairs"),
     ("loss", "clip_eps_high", -0.5, "> 0"), ("model", "head_dim", -4, "None (hidden_size / num_heads) or > 0"),
+    (None, "compilation_cache_max_gb", 0.0, "> 0"),
 ]
 
 
@@ -310,6 +311,53 @@ def test_an_unreachable_vllm_server_is_found_at_start_in_one_line():
     assert lines[-1].startswith("agentfly-train: config.vllm.urls: 1 of 1 vLLM servers do not answer GET /health: "
                                 "http://127.0.0.1:9 ("), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and seconds < 60, seconds
+
+
+_CACHE_CHILD = r"""
+import json, os, sys, types
+import jax, jax.numpy as jnp
+from agentfly_jax.train import use_compilation_cache
+from agentfly_jax.trainer.config import ConfigError
+
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the test's tiny program is cached too
+case, path = sys.argv[1], sys.argv[2]
+cfg = types.SimpleNamespace(compilation_cache_dir=path, compilation_cache_max_gb=0.5)
+try:
+    used = use_compilation_cache(cfg)
+except ConfigError as e:
+    print(json.dumps({"error": str(e)}))
+    sys.exit(0)
+jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+print(json.dumps({"used": used, "dir": jax.config.jax_compilation_cache_dir,
+                  "max": jax.config.jax_compilation_cache_max_size}))
+"""
+
+
+def test_the_compilation_cache_holds_the_programs_a_run_compiles(tmp_path):
+    """config.compilation_cache_dir (created, "~" expanded) receives the compiled programs, bounded by
+    compilation_cache_max_gb; the environment's JAX_COMPILATION_CACHE_DIR takes precedence; "" compiles without a
+    cache; a directory that cannot be created is a one-line config error. Each case in a fresh process (JAX sets its
+    cache up once)."""
+    def child(case, path):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+        if case == "env":
+            env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "from_env")
+        proc = subprocess.run([sys.executable, "-c", _CACHE_CHILD, case, str(path)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+
+    cache = tmp_path / "a" / "cache"
+    got = child("config", cache)
+    assert got == {"used": str(cache), "dir": str(cache), "max": 2**29} and any(cache.iterdir())
+    got = child("env", tmp_path / "b")  # the environment's directory wins; the config's is not made
+    assert got["used"] == got["dir"] == str(tmp_path / "from_env") and not (tmp_path / "b").exists()
+    assert any((tmp_path / "from_env").iterdir())
+    got = child("config", "")
+    assert got["used"] is None and got["dir"] is None
+    (tmp_path / "file").write_text("")
+    got = child("config", tmp_path / "file" / "cache")
+    assert got["error"].startswith(f"config.compilation_cache_dir='{tmp_path / 'file' / 'cache'}': cannot create it")
 
 
 # ========================================================================================= experiment configs
