@@ -74,15 +74,14 @@ def main(argv) -> None:
               f"tensorboard --logdir {summary['workdir']}/tensorboard")
 
 
-def use_compilation_cache(cfg, environ=None) -> str | None:
+def use_compilation_cache(cfg) -> str | None:
     """Points XLA's persistent compilation cache at `cfg.compilation_cache_dir` (created; "~" expanded), bounded by
     `cfg.compilation_cache_max_gb`, unless the environment's JAX_COMPILATION_CACHE_DIR chose one (JAX read it at
     import) or the key is "". Before anything compiles. Returns the directory in use, or None."""
     import jax
 
-    environ = os.environ if environ is None else environ
-    if environ.get("JAX_COMPILATION_CACHE_DIR"):
-        path = environ["JAX_COMPILATION_CACHE_DIR"]
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        path = os.environ["JAX_COMPILATION_CACHE_DIR"]
     elif cfg.compilation_cache_dir:
         path = os.path.abspath(os.path.expanduser(cfg.compilation_cache_dir))
         try:
