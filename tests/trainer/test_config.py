@@ -2,6 +2,7 @@
 before any model work; placeholders make unset knobs settable from the command line; the experiment configs
 build."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -345,7 +346,7 @@ def test_the_compilation_cache_holds_the_programs_a_run_compiles(tmp_path):
         proc = subprocess.run([sys.executable, "-c", _CACHE_CHILD, case, str(path)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        return __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(proc.stdout.strip().splitlines()[-1])
 
     cache = tmp_path / "a" / "cache"
     got = child("config", cache)
