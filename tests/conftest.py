@@ -1,6 +1,8 @@
-"""Test-wide setup: 8 fake CPU devices (sharding tests), fp32 matmuls, a compilation cache shared by the
-trainer subprocesses, and tiny HF reference checkpoints."""
+"""Test-wide setup: 8 fake CPU devices (sharding tests), fp32 matmuls, one compilation cache for the whole
+session, and tiny HF reference checkpoints."""
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,26 +11,26 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# One persistent XLA compilation cache for the session: the tests themselves, the pytest-xdist workers (started
+# after this ran, they inherit the environment) and the trainer runs the tests start as subprocesses (the
+# quickstart under each algorithm, resume, the SmolLM2 recipes, the multi-process runs). Many tests build the same
+# programs again (the same tiny model's update, sampler and SFT steps under another jit wrapper), and XLA's CPU
+# compiler is most of a short test's time on 2 cores: three of the quick phase's files went from 268 to 196 s with
+# it. Set through the environment before jax is imported, which is when jax reads it. scripts/test.sh sets one for
+# its three phases together; a cache the caller chose is used as it is, and one made here is removed at the end.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="agentfly-test-xla-")
+    os.environ["AGENTFLY_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def shared_compilation_cache(tmp_path_factory):
-    """One persistent XLA compilation cache for the trainer runs the suite starts as subprocesses (the
-    quickstart under each algorithm, resume, the SmolLM2 recipes, ...): they compile the same sampler and update
-    programs, so only the first run of a shape pays for compiling them (about 30 s of a 80 s quickstart run on
-    2 cores). Set through the environment, which subprocesses inherit; this process imported jax above, before
-    the variable existed, so the in-process tests compile as they always did."""
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # the caller chose a cache
-        yield os.environ["JAX_COMPILATION_CACHE_DIR"]
-        return
-    path = str(tmp_path_factory.mktemp("xla-cache"))
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-    yield path
-    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+def pytest_unconfigure(config):
+    if os.environ.get("AGENTFLY_TEST_XLA_CACHE_OWNER") == str(os.getpid()):  # the process that made it
+        shutil.rmtree(os.environ.pop("JAX_COMPILATION_CACHE_DIR"), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
