@@ -22,6 +22,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="agentfly-test-xla-")
     os.environ["AGENTFLY_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# A size bound turns on the cache's file lock (the trainer sets one too): without it, a process could read an entry
+# that another is still writing, and warn and compile again.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 * 2**30))
 
 import jax  # noqa: E402
 
