@@ -22,8 +22,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="agentfly-test-xla-")
     os.environ["AGENTFLY_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# A size bound turns on the cache's file lock (the trainer sets one too): without it, a process could read an entry
-# that another is still writing, and warn and compile again.
+# A size bound in every process: the trainer sets one (config.compilation_cache_max_gb), and with one JAX keeps an
+# access-time record beside each entry and evicts by it; its writes failed ("Error writing persistent compilation
+# cache entry ... -atime: No such file") once other processes had written entries without one. The bound also turns
+# on the cache's file lock, so that no process reads an entry another is still writing.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 * 2**30))
 
 import jax  # noqa: E402
