@@ -76,13 +76,17 @@ def main(argv) -> None:
 
 def use_compilation_cache(cfg) -> str | None:
     """Points XLA's persistent compilation cache at `cfg.compilation_cache_dir` (created; "~" expanded), bounded by
-    `cfg.compilation_cache_max_gb`, unless the environment's JAX_COMPILATION_CACHE_DIR chose one (JAX read it at
-    import) or the key is "". Before anything compiles. Returns the directory in use, or None."""
+    `cfg.compilation_cache_max_gb`, unless the key is "" or the environment's JAX_COMPILATION_CACHE_DIR chose a
+    cache: JAX read that at import, and JAX's own variables then set it up (JAX_COMPILATION_CACHE_MAX_SIZE, unbounded
+    when unset), as for any JAX program sharing it (a bounded writer fails to add entries to a directory that
+    unbounded ones wrote to). Before anything compiles. Returns the directory in use, or None."""
     import jax
 
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         path = os.environ["JAX_COMPILATION_CACHE_DIR"]
-    elif cfg.compilation_cache_dir:
+        logging.getLogger(__name__).info("XLA compilation cache (from JAX_COMPILATION_CACHE_DIR): %s", path)
+        return path
+    if cfg.compilation_cache_dir:
         path = os.path.abspath(os.path.expanduser(cfg.compilation_cache_dir))
         try:
             os.makedirs(path, exist_ok=True)

@@ -15,18 +15,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # after this ran, they inherit the environment) and the trainer runs the tests start as subprocesses (the
 # quickstart under each algorithm, resume, the SmolLM2 recipes, the multi-process runs). Many tests build the same
 # programs again (the same tiny model's update, sampler and SFT steps under another jit wrapper), and XLA's CPU
-# compiler is most of a short test's time on 2 cores: three of the quick phase's files went from 268 to 196 s with
-# it. Set through the environment before jax is imported, which is when jax reads it. scripts/test.sh sets one for
-# its three phases together; a cache the caller chose is used as it is, and one made here is removed at the end.
+# compiler is most of a short test's time on 2 cores (in full runs on 2 cores: test_update.py 257 -> 204 s,
+# test_async.py 162 -> 112 s, test_jax_sampler_prefix.py 133 -> 99 s). Set through the environment before jax is
+# imported, which is when jax reads it. scripts/test.sh sets one for its three phases together; a cache the caller
+# chose is used as it is, and one made here is removed at the end.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="agentfly-test-xla-")
     os.environ["AGENTFLY_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
-# A size bound in every process: the trainer sets one (config.compilation_cache_max_gb), and with one JAX keeps an
-# access-time record beside each entry and evicts by it; its writes failed ("Error writing persistent compilation
-# cache entry ... -atime: No such file") once other processes had written entries without one. The bound also turns
-# on the cache's file lock, so that no process reads an entry another is still writing.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 * 2**30))
+# No size bound, in any process (the trainer leaves a cache chosen through the environment to JAX's variables): a
+# bounded writer keeps an access-time record beside each entry and evicts by them, and its writes failed ("Error
+# writing persistent compilation cache entry ... -atime: No such file") once unbounded processes had written entries
+# without one; a bound in every process turns on the cache's file lock too, and with it the multi-process tests ran
+# about 30% longer (test_multiprocess.py 501 -> 652 s, test_process_faults.py 418 -> 556 s in full runs).
 
 import jax  # noqa: E402
 

@@ -451,9 +451,10 @@ class TrainConfig:
                                         "a non-empty tuple of positive lengths")
     row_bucket: int = knob(8, *POSITIVE)  # packed row counts round up to a multiple of this
     # XLA's persistent compilation cache (agentfly-train): a program compiled once is loaded, not compiled, by later
-    # runs with the same shapes, code and flags (restarts, resume=True, config sweeps); "" turns it off. The
-    # environment's JAX_COMPILATION_CACHE_DIR, where set, is used instead. Least recently used programs are evicted
-    # beyond compilation_cache_max_gb. Trusted: do not point it at a directory others can write to.
+    # runs with the same shapes, code and flags (restarts, resume=True, config sweeps); "" turns it off. Least
+    # recently used programs are evicted beyond compilation_cache_max_gb. The environment's JAX_COMPILATION_CACHE_DIR,
+    # where set, is used instead, as JAX's variables set it up (JAX_COMPILATION_CACHE_MAX_SIZE; unbounded by default).
+    # Trusted: do not point it at a directory others can write to.
     compilation_cache_dir: str = "~/.cache/agentfly_jax/xla"
     compilation_cache_max_gb: float = knob(10.0, *POSITIVE)
     # an optimiser step with a non-finite loss/gradient is skipped (counted as */nonfinite_updates); this many

@@ -336,7 +336,8 @@ print(json.dumps({"used": used, "dir": jax.config.jax_compilation_cache_dir,
 
 def test_the_compilation_cache_holds_the_programs_a_run_compiles(tmp_path):
     """config.compilation_cache_dir (created, "~" expanded) receives the compiled programs, bounded by
-    compilation_cache_max_gb; the environment's JAX_COMPILATION_CACHE_DIR takes precedence; "" compiles without a
+    compilation_cache_max_gb; the environment's JAX_COMPILATION_CACHE_DIR takes precedence, as JAX sets it up (no
+    bound of ours: a bounded writer cannot add to a directory unbounded ones wrote to); "" compiles without a
     cache; a directory that cannot be created is a one-line config error. Each case in a fresh process (JAX sets its
     cache up once)."""
     def child(case, path):
@@ -351,8 +352,9 @@ def test_the_compilation_cache_holds_the_programs_a_run_compiles(tmp_path):
     cache = tmp_path / "a" / "cache"
     got = child("config", cache)
     assert got == {"used": str(cache), "dir": str(cache), "max": 2**29} and any(cache.iterdir())
-    got = child("env", tmp_path / "b")  # the environment's directory wins; the config's is not made
-    assert got["used"] == got["dir"] == str(tmp_path / "from_env") and not (tmp_path / "b").exists()
+    got = child("env", tmp_path / "b")  # the environment's directory wins, with JAX's bound (none); the config's
+    assert got["used"] == got["dir"] == str(tmp_path / "from_env") and not (tmp_path / "b").exists()  # is not made
+    assert got["max"] == -1
     assert any((tmp_path / "from_env").iterdir())
     got = child("config", "")
     assert got["used"] is None and got["dir"] is None
