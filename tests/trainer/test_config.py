@@ -352,8 +352,9 @@ def test_the_compilation_cache_holds_the_programs_a_run_compiles(tmp_path):
     cache = tmp_path / "a" / "cache"
     got = child("config", cache)
     assert got == {"used": str(cache), "dir": str(cache), "max": 2**29} and any(cache.iterdir())
-    got = child("env", tmp_path / "b")  # the environment's directory wins, with JAX's bound (none); the config's
-    assert got["used"] == got["dir"] == str(tmp_path / "from_env") and not (tmp_path / "b").exists()  # is not made
+    # the environment's directory wins, with JAX's bound (none by default); the config's directory is not made
+    got = child("env", tmp_path / "b")
+    assert got["used"] == got["dir"] == str(tmp_path / "from_env") and not (tmp_path / "b").exists()
     assert got["max"] == -1
     assert any((tmp_path / "from_env").iterdir())
     got = child("config", "")
