@@ -153,3 +153,31 @@ def test_fresh_model_config_round_trip(tmp_path):
     np.testing.assert_allclose(np.asarray(model.apply({"params": params}, jnp.asarray(ids))),
                                ref.hf_logits(hf_model, ids), atol=1e-5, rtol=0)
     assert cfg.num_params == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_fresh_parameters_compiled_as_a_run_once_program_equal_the_default_compilation(monkeypatch):
+    """init_params compiles the random initialisation at XLA's CPU optimisation level 0 (a threefry hash per
+    parameter made it the slowest compilation of a short run): the values are those of the default compilation up
+    to float rounding of the normal transform (a few ulp of 0.02-scale weights), the zero and one initialisers
+    exactly; other backends keep XLA's defaults."""
+    from flax import linen as nn
+
+    from agentfly_jax.models.config import run_once_compiler_options
+    from agentfly_jax.models.transformer import CausalLM, init_params
+
+    assert run_once_compiler_options() == {"xla_backend_optimization_level": 0}  # this CPU
+    model = CausalLM(ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=2,
+                                 num_kv_heads=1, qkv_bias=True))
+    fast = init_params(model, jax.random.PRNGKey(3))
+    default = nn.unbox(jax.jit(model.init)(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32)))["params"]
+    assert jax.tree.structure(fast) == jax.tree.structure(default)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fast), jax.tree.leaves(default)):
+        a, b = np.asarray(a), np.asarray(b)
+        if not b.any() or (b == 1).all():  # zeros (biases), ones (norms)
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_allclose(a, b, rtol=0, atol=4 * np.spacing(np.float32(0.1)),
+                                       err_msg=jax.tree_util.keystr(path))
+            assert 0.015 < b.std() < 0.025
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert run_once_compiler_options() is None

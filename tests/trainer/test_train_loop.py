@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
@@ -48,48 +49,75 @@ DAPO_LORA = ("--config.rl.dynamic_sampling=True", "--config.rl.overlong_buffer_l
 
 
 @pytest.mark.slow
-# plain grpo (the default algorithm) runs in the resume and vLLM tests below
-@pytest.mark.parametrize("algorithm,extra", [("rloo", ()), ("reinforce_pp", ()), ("ppo", ()), ("gspo", DAPO_LORA)],
-                         ids=["rloo", "reinforce_pp", "ppo", "gspo_dapo_lora"])
-def test_quickstart_short_run(tmp_path, algorithm, extra):
-    workdir = str(tmp_path / algorithm)
-    summary = _train(workdir, f"--config.algorithm={algorithm}", "--config.rl.steps=2", *extra)
+def test_quickstart_short_run(tmp_path):
+    """The whole short quickstart (SFT warm start, held-out eval before SFT, after it and after RL, RL steps,
+    export) with GSPO, DAPO's dynamic sampling and overlong shaping, trained as LoRA adapters (SFT and RL): every
+    scalar a researcher reads is written. (The stages around RL do not depend on the algorithm; each other
+    algorithm's RL steps run in `test_every_algorithm_trains_two_steps`, plain grpo in the resume and vLLM tests.)"""
+    workdir = str(tmp_path / "gspo")
+    summary = _train(workdir, "--config.algorithm=gspo", "--config.rl.steps=2", *DAPO_LORA)
     for key in ("algorithm", "success_before", "success_after", "steps", "wall_seconds"):
         assert key in summary
-    assert summary["algorithm"] == algorithm and summary["steps"] == 2
+    assert summary["algorithm"] == "gspo" and summary["steps"] == 2
     assert 0.0 <= summary["success_before"] <= 1.0 and 0.0 <= summary["success_after"] <= 1.0
     # the SFT warm start is measured too: before it, after it (= before RL) and after RL
     assert 0.0 <= summary["success_before_sft"] <= 1.0 and summary["eval_episodes"] > 0
-    scalars = read_scalars(os.path.join(workdir, "tensorboard"))
+    scalars = _check_rl_steps(workdir, 2)
     missing = [t for t in EXPECTED_TAGS if t not in scalars]
     assert not missing, f"TensorBoard lacks {missing}"
-    assert [s for s, _ in scalars["reward/mean"]] == [1, 2]
+    # DAPO's dynamic sampling and overlong shaping report what they did each step
+    for tag in ("dynamic_sampling/rounds", "dynamic_sampling/groups_kept", "dynamic_sampling/groups_dropped",
+                "dynamic_sampling/groups_filled", "reward/overlong_penalty_mean", "reward/overlong_fraction"):
+        assert [s for s, _ in scalars[tag]] == [1, 2], tag
+    assert all(1 <= v <= 4 for _, v in scalars["dynamic_sampling/rounds"])
+    # LoRA: the exported policy is a plain checkpoint with the adapters merged in
+    exported = load_file(os.path.join(summary["final_policy"], "model.safetensors"))
+    assert exported and not any("lora" in name for name in exported)
+    assert "lora" not in open(os.path.join(summary["final_policy"], "config.json")).read()
+
+
+def _check_rl_steps(workdir, steps: int) -> dict:
+    """The RL scalars of a run of `steps` steps: one per step, the sampler's prompt work accounted for."""
+    scalars = read_scalars(os.path.join(workdir, "tensorboard"))
+    for tag in ("reward/mean", "policy/approx_kl", "policy/entropy", "policy/clip_fraction", "policy/grad_norm",
+                "update/tokens"):
+        assert [s for s, _ in scalars[tag]] == list(range(1, steps + 1)), tag
     # the sampler's prompt work of each step: every prompt token computed or taken from a cached prefix
     prompt, computed, reused = (dict(scalars[f"sampler/{k}"]) for k in ("prompt_tokens", "prefill_tokens",
                                                                          "prefix_tokens_reused"))
-    assert all(prompt[s] > 0 and prompt[s] == computed[s] + reused[s] for s in (1, 2)), (prompt, computed, reused)
+    assert all(prompt[s] > 0 and prompt[s] == computed[s] + reused[s] for s in range(1, steps + 1)), \
+        (prompt, computed, reused)
+    return scalars
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_pp", "ppo"])
+def test_every_algorithm_trains_two_steps(tmp_path, algorithm):
+    """The quickstart's RL stage alone (no warm start, no held-out eval) under each other algorithm: two steps
+    update the policy (and PPO's critic) and the trained policy comes out in HF format."""
+    workdir = str(tmp_path / algorithm)
+    summary = _train(workdir, f"--config.algorithm={algorithm}", "--config.rl.steps=2", "--config.sft.stages=()",
+                     "--config.eval.num_tasks=0", "--config.rl.tasks_per_step=4", "--config.rl.chains_per_task=4",
+                     "--config.progress=False", short=False)
+    assert summary["algorithm"] == algorithm and summary["steps"] == 2
+    scalars = _check_rl_steps(workdir, 2)
+    assert "sft/loss" not in scalars and "eval/success" not in scalars
     if algorithm == "ppo":
-        assert "critic/loss" in scalars
-    if extra:  # DAPO's dynamic sampling and overlong shaping report what they did each step
-        for tag in ("dynamic_sampling/rounds", "dynamic_sampling/groups_kept", "dynamic_sampling/groups_dropped",
-                    "dynamic_sampling/groups_filled", "reward/overlong_penalty_mean", "reward/overlong_fraction"):
-            assert [s for s, _ in scalars[tag]] == [1, 2], tag
-        assert all(1 <= v <= 4 for _, v in scalars["dynamic_sampling/rounds"])
-        # LoRA: the exported policy is a plain checkpoint with the adapters merged in
-        exported = load_file(os.path.join(summary["final_policy"], "model.safetensors"))
-        assert exported and not any("lora" in name for name in exported)
-        assert "lora" not in open(os.path.join(summary["final_policy"], "config.json")).read()
-    # the trained policy comes out in HF format
-    assert os.path.isfile(os.path.join(summary["final_policy"], "model.safetensors"))
+        assert [s for s, _ in scalars["critic/loss"]] == [1, 2]
+    params = load_file(os.path.join(summary["final_policy"], "model.safetensors"))
+    assert params and all(np.isfinite(v).all() for v in params.values())
 
 
 @pytest.mark.slow
 def test_sigkill_and_resume_ends_with_the_same_params(tmp_path):
-    steps = ["--config.rl.steps=4", "--config.checkpoint.every=2", "--config.eval.num_tasks=0"]
-    reference = _train(str(tmp_path / "straight"), *steps)
+    # a 2-step warm start (the resumed run must not repeat it), then the RL steps that are checkpointed and resumed
+    steps = ["--config.rl.steps=4", "--config.checkpoint.every=2", "--config.eval.num_tasks=0",
+             "--config.sft.stages=((2, 1.0),)", "--config.sft.optimizer.decay_steps=2", "--config.sft.batch_size=16",
+             "--config.rl.tasks_per_step=4", "--config.rl.chains_per_task=4", "--config.progress=False"]
+    reference = _train(str(tmp_path / "straight"), *steps, short=False)
 
     killed_dir = str(tmp_path / "killed")
-    proc = _train(killed_dir, *steps, wait=False)
+    proc = _train(killed_dir, *steps, wait=False, short=False)
     ckpt = os.path.join(killed_dir, "checkpoints", "2")
     deadline = time.time() + 600
     while not os.path.isdir(ckpt) and proc.poll() is None and time.time() < deadline:
@@ -99,7 +127,7 @@ def test_sigkill_and_resume_ends_with_the_same_params(tmp_path):
     proc.wait()
     assert not os.path.exists(os.path.join(killed_dir, "summary.json"))
 
-    resumed = _train(killed_dir, *steps, "--config.resume=True")
+    resumed = _train(killed_dir, *steps, "--config.resume=True", short=False)
     assert resumed["resumed_from"] == 2
     a = load_file(os.path.join(reference["final_policy"], "model.safetensors"))
     b = load_file(os.path.join(resumed["final_policy"], "model.safetensors"))
