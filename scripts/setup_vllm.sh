@@ -76,5 +76,13 @@ log "installing torchvision==$TORCHVISION_VERSION alone, with its import shim (f
 cp "$SHIM" "$site/agentfly_torchvision_shim.py"
 echo "import agentfly_torchvision_shim" > "$site/agentfly_torchvision_shim.pth"
 
+# Bytecode for every module, written now: uv installs without it, and where PYTHONDONTWRITEBYTECODE is set (as on
+# this machine) Python never caches it either, so each of a server's three processes (API server, engine core,
+# worker) compiled the sources of vllm, torch and transformers again as it imported them: about 35 s a process, most
+# of a 2-minute server start on 2 cores (docs/benchmarks.md, "vLLM server start").
+log "compiling .venv-vllm/'s modules to bytecode (a minute, once)"
+"$VENV/bin/python" -m compileall -q -j 0 "$site" > /dev/null 2>&1 \
+  || log "compileall could not compile some files (test data, other Python versions): those compile on import"
+
 "$VENV/bin/python" -c "import vllm, torch, torchvision; print('[setup_vllm] vllm', vllm.__version__, 'torch', torch.__version__, 'torchvision', torchvision.__version__)" >&2
 echo "$want" > "$stamp"
