@@ -38,6 +38,20 @@ def run_once_compiler_options() -> dict | None:
     runs long enough to matter."""
     return {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
 
+
+def jit_run_once(fun, *args):
+    """`fun(*args)` as one jitted program compiled with `run_once_compiler_options`. Staged into an outer trace (a
+    caller's jit, grad or eval_shape), where JAX takes compiler options from the outermost jit alone and refuses
+    them on an inner one, it is a plain jit: the program then compiles as part of the caller's."""
+    options = run_once_compiler_options()
+    if options:
+        try:
+            return jax.jit(fun, compiler_options=options)(*args)
+        except ValueError as error:
+            if "can only be passed to top-level" not in str(error):
+                raise
+    return jax.jit(fun)(*args)
+
 # HF `architectures` entry -> our family name. The text families share one decoder; they differ in defaults
 # (qkv bias, tied embeddings, rope scaling) that live in the config, not in code paths. "qwen2_5_vl" is that
 # decoder with multimodal rotary positions (`ModelConfig.mrope_section`) behind a vision tower

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from agentfly_jax.models.config import ModelConfig, run_once_compiler_options
+from agentfly_jax.models.config import ModelConfig, jit_run_once
 from agentfly_jax.models.sharding import (
     active_shards,
     batch_name,
@@ -606,7 +606,7 @@ class ValueModel(nn.Module):
 def init_params(model: nn.Module, rng, seq_len: int = 8):
     """Random parameters (unboxed) for `model`; used for fresh models and as shape templates."""
     dummy = jnp.zeros((1, seq_len), jnp.int32)
-    return nn.unbox(jax.jit(model.init, compiler_options=run_once_compiler_options())(rng, dummy))["params"]
+    return nn.unbox(jit_run_once(model.init, rng, dummy))["params"]
 
 
 def init_params_shapes(model: nn.Module, seq_len: int = 8):

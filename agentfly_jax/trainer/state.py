@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
-from agentfly_jax.models.config import run_once_compiler_options
+from agentfly_jax.models.config import jit_run_once
 from agentfly_jax.trainer.config import OptimizerConfig
 from agentfly_jax.trainer.fused_adamw import fused_clip_adamw
 
@@ -82,9 +82,8 @@ def init_model_state(params, optimizer: optax.GradientTransformation, trainable=
     """Params + optimiser state; with `trainable` (a predicate on parameter paths, e.g. `lora.is_adapter`) the
     optimiser state covers only those leaves (the rest is frozen)."""
     # jit so that optimiser moments are created with the params' shardings (GSPMD propagates them).
-    # (zeros: a program run once, compiled as such: models.config.run_once_compiler_options)
-    init = jax.jit(optimizer.init, compiler_options=run_once_compiler_options())
-    return ModelState(params=params, opt_state=init(_optimised(params, trainable)))
+    # (zeros: a program run once, compiled as such: models.config.jit_run_once)
+    return ModelState(params=params, opt_state=jit_run_once(optimizer.init, _optimised(params, trainable)))
 
 
 def create_train_state(policy_params, policy_opt, *, critic_params=None, critic_opt=None,

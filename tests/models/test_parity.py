@@ -159,7 +159,7 @@ def test_fresh_parameters_compiled_as_a_run_once_program_equal_the_default_compi
     """init_params compiles the random initialisation at XLA's CPU optimisation level 0 (a threefry hash per
     parameter made it the slowest compilation of a short run): the values are those of the default compilation up
     to float rounding of the normal transform (a few ulp of 0.02-scale weights), the zero and one initialisers
-    exactly; other backends keep XLA's defaults."""
+    exactly; inside a caller's trace it compiles with the caller's program; other backends keep XLA's defaults."""
     from flax import linen as nn
 
     from agentfly_jax.models.config import run_once_compiler_options
@@ -179,5 +179,11 @@ def test_fresh_parameters_compiled_as_a_run_once_program_equal_the_default_compi
             np.testing.assert_allclose(a, b, rtol=0, atol=4 * np.spacing(np.float32(0.1)),
                                        err_msg=jax.tree_util.keystr(path))
             assert 0.015 < b.std() < 0.025
+    # staged into a caller's trace (where JAX refuses compiler options on an inner jit) it is a plain jit
+    shapes = jax.eval_shape(lambda key: init_params(model, key), jax.random.PRNGKey(3))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), fast)
+    inner = jax.jit(lambda key: init_params(model, key))(jax.random.PRNGKey(3))
+    assert all(np.allclose(a, b, rtol=0, atol=4 * np.spacing(np.float32(0.1)))
+               for a, b in zip(jax.tree.leaves(inner), jax.tree.leaves(default)))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert run_once_compiler_options() is None

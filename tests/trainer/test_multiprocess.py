@@ -230,7 +230,7 @@ def _start_processes(processes: int, devices: int, workdir, mode: str, overrides
                              stderr=subprocess.PIPE, text=True) for pid in range(processes)]
 
 
-def _processes(processes: int, devices: int, workdir, mode: str, overrides: dict, timeout: float = 240):
+def _processes(processes: int, devices: int, workdir, mode: str, overrides: dict, timeout: float = 600):
     """Runs the child in `processes` processes of `devices` CPU devices each; [(returncode, its JSON, stderr)].
     All are killed at `timeout` s, and the others as soon as one fails (a process left alone would wait for its
     peers at the next collective)."""
