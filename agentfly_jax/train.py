@@ -210,6 +210,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if spec is not None:
         _check_config_file(spec)
     overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+    repeated = next((o for o in overrides if overrides.count(o) > 1), None)
+    if repeated:  # ml-collections keeps one of them without a word
+        values = [a.split("=", 1)[1] if "=" in a else "..." for a in argv[1:] if a.split("=", 1)[0] == repeated]
+        _die(f"{repeated.lstrip('-')} is given {len(values)} times ({', '.join(values)}): give each key once")
     nones = _none_overrides(argv)
     if spec is not None and nones:  # keys absl will not see: checked here
         unknown = _unknown_override(spec, [a.split("=", 1)[0] for a in nones])

@@ -26,7 +26,6 @@ def gpu_compiler_options(gpu_gemm: str) -> dict | None:
     return _GPU_GEMM_OPTIONS[gpu_gemm] if jax.default_backend() == "gpu" else None
 
 
-
 def run_once_compiler_options() -> dict | None:
     """XLA compiler options for a program that runs once or rarely (random parameter initialisation, the finite
     check before a save): on a CPU backend `{"xla_backend_optimization_level": 0}`, else None (XLA's defaults).
@@ -51,6 +50,7 @@ def jit_run_once(fun, *args):
             if "can only be passed to top-level" not in str(error):
                 raise
     return jax.jit(fun)(*args)
+
 
 # HF `architectures` entry -> our family name. The text families share one decoder; they differ in defaults
 # (qkv bias, tied embeddings, rope scaling) that live in the config, not in code paths. "qwen2_5_vl" is that

@@ -237,6 +237,9 @@ def test_cli_names_a_broken_experiment_file_in_one_line(case, tmp_path):
     # at the next key
     (("--config.loss.is_cap=None", "--config.model.param_dtype=None", "--config.rl.micro_batch_tokens=None",
       "--config.rl.tasks_per_step=-1"), "config.rl.tasks_per_step=-1 is out of range; allowed: > 0"),
+    # a key given twice: one of the two would be dropped without a word
+    (("--config.rl.steps=3", "--config.eval.num_tasks=0", "--config.rl.steps=5"),
+     "config.rl.steps is given 2 times (3, 5): give each key once"),
     ((), None),
 ])
 def test_cli_overrides_unknown_keys_and_none(overrides, expected):
