@@ -80,7 +80,7 @@ echo "import agentfly_torchvision_shim" > "$site/agentfly_torchvision_shim.pth"
 # this machine) Python never caches it either, so each of a server's three processes (API server, engine core,
 # worker) compiled the sources of vllm, torch and transformers again as it imported them: about 35 s a process, most
 # of a 2-minute server start on 2 cores (docs/benchmarks.md, "vLLM server start").
-log "compiling .venv-vllm/'s modules to bytecode (a minute, once)"
+log "compiling .venv-vllm/'s modules to bytecode (a few minutes on 2 cores, once)"
 "$VENV/bin/python" -m compileall -q -j 0 "$site" > /dev/null 2>&1 \
   || log "compileall could not compile some files (test data, other Python versions): those compile on import"
 

@@ -27,7 +27,6 @@ import collections
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -45,7 +44,7 @@ from agentfly_jax.algorithms.recipes import ResolvedAlgorithm
 from agentfly_jax.heap import freeze_startup_heap, unfreeze_startup_heap
 from agentfly_jax.models import lora
 from agentfly_jax.models import sharding as shd
-from agentfly_jax.models.config import run_once_compiler_options
+from agentfly_jax.models.config import jit_run_once
 from agentfly_jax.models.transformer import packed_segment_bound
 from agentfly_jax.rollout import encode_conversation, trajectories_to_batch
 from agentfly_jax.rollout.trajectory import Trajectory, images_to_batch
@@ -133,17 +132,11 @@ def _finite_flags(arrays):
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays])
 
 
-@functools.cache
-def _all_finite_program():
-    # made on first use, not at import: the compiler options ask which backend runs (jax.distributed first)
-    return jax.jit(_finite_flags, compiler_options=run_once_compiler_options())
-
-
 def _all_finite(arrays):
     """One flag per array, in ONE program: a reduction per array dispatched as its own program would start dozens of
     cross-device all-reduces at once, and on a CPU mesh (in-process collectives on a few threads) their
-    participants can wait on each other for good. Run before saves only (models.config.run_once_compiler_options)."""
-    return _all_finite_program()(arrays)
+    participants can wait on each other for good. Run before saves only (models.config.jit_run_once)."""
+    return jit_run_once(_finite_flags, arrays)
 
 
 def _check_finite(tree, what: str) -> None:
