@@ -129,3 +129,20 @@ def test_an_unknown_tokenizer_mode_is_refused(tmp_path, fake_vllm):
                                "AGENTFLY_VLLM_RUN_DIR": str(tmp_path / "run")},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "AGENTFLY_VLLM_TOKENIZER" in proc.stderr
+
+
+def test_the_server_environment_holds_bytecode_for_what_a_server_imports():
+    """scripts/setup_vllm.sh compiles .venv-vllm/ once: uv writes no bytecode and with PYTHONDONTWRITEBYTECODE set
+    each of a server's three processes compiled vllm's and torch's sources again (docs/benchmarks.md, "vLLM server
+    start")."""
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        pytest.fail("no .venv-vllm/: run scripts/setup.sh (scripts/setup_vllm.sh builds it)")
+    probe = ("import importlib.util, os, sys\n"
+             "for name in ('vllm.entrypoints.openai.api_server', 'vllm.v1.engine.core', 'torch.nn.modules.linear'):\n"
+             "    spec = importlib.util.find_spec(name)\n"
+             "    cached = importlib.util.cache_from_source(spec.origin)\n"
+             "    print(name, os.path.isfile(cached))\n")
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=300, check=True).stdout
+    missing = [line.split()[0] for line in out.splitlines() if line.split()[1] != "True"]
+    assert not missing, f"no bytecode for {missing}: rerun scripts/setup_vllm.sh"
