@@ -98,7 +98,7 @@ def test_every_algorithm_trains_two_steps(tmp_path, algorithm):
     workdir = str(tmp_path / algorithm)
     summary = _train(workdir, f"--config.algorithm={algorithm}", "--config.rl.steps=2", "--config.sft.stages=()",
                      "--config.eval.num_tasks=0", "--config.rl.tasks_per_step=4", "--config.rl.chains_per_task=4",
-                     "--config.progress=False", short=False)
+                     short=False)
     assert summary["algorithm"] == algorithm and summary["steps"] == 2
     scalars = _check_rl_steps(workdir, 2)
     assert "sft/loss" not in scalars and "eval/success" not in scalars
@@ -113,7 +113,7 @@ def test_sigkill_and_resume_ends_with_the_same_params(tmp_path):
     # a 2-step warm start (the resumed run must not repeat it), then the RL steps that are checkpointed and resumed
     steps = ["--config.rl.steps=4", "--config.checkpoint.every=2", "--config.eval.num_tasks=0",
              "--config.sft.stages=((2, 1.0),)", "--config.sft.optimizer.decay_steps=2", "--config.sft.batch_size=16",
-             "--config.rl.tasks_per_step=4", "--config.rl.chains_per_task=4", "--config.progress=False"]
+             "--config.rl.tasks_per_step=4", "--config.rl.chains_per_task=4"]
     reference = _train(str(tmp_path / "straight"), *steps, short=False)
 
     killed_dir = str(tmp_path / "killed")
