@@ -304,6 +304,35 @@ def test_compiles_a_handful_of_programs(tiny_model):
     assert len(sampler.window_buckets) == 9 and sampler.compile_counts["decode"] <= 9
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prompt_passes_hold_no_more_rows_than_the_slots(tiny_model, prefix_caching):
+    """A prompt pass's rows come from prefill_tokens (16 rows of a 16-token bucket here) but never exceed the slots
+    rounded up to a power of two: no more prompts than slots are admitted at once, and each padding row would cost
+    a whole row of compute (on a CPU, a 135M model's 2-prompt rollout spent most of its time on 14 such rows).
+    The completions are those of a sampler with more slots, whose passes are 16 rows."""
+    batch = [p[:12] for p in prompts(3, 4, 9, 13)]  # one 16-token bucket
+    outputs, rows = {}, {}
+    for slots in (3, 16):
+        sampler = make_sampler(tiny_model, max_slots=slots, prefix_caching=prefix_caching)
+        name = "_prefill" if prefix_caching else "_prefill_fresh"
+        compiled, seen = getattr(sampler, name), []
+
+        def recording(params, cache_or_tokens, *rest, compiled=compiled, seen=seen):
+            seen.append((rest[0] if prefix_caching else cache_or_tokens).shape[0])
+            return compiled(params, cache_or_tokens, *rest)
+
+        setattr(sampler, name, recording)
+
+        async def run(sampler=sampler):
+            async with sampler:
+                return await asyncio.gather(*[sampler.generate(p, max_tokens=6, temperature=0.0) for p in batch])
+
+        outputs[slots] = [c[0].token_ids for c in asyncio.run(run())]
+        rows[slots] = seen
+    assert rows == {3: [4], 16: [16]}, rows  # 16 tokens a row fit 16 rows in prefill_tokens: the slots cap them
+    assert outputs[3] == outputs[16]
+
+
 def test_decode_windows_are_half_an_octave_apart_and_change_nothing(tiny_model):
     """Decode calls attend over the smallest window of `window_buckets` (powers of two and the midpoints 1.5x between
     them) that holds every live position; greedy tokens and logprobs equal those over power-of-two windows only."""

@@ -328,7 +328,8 @@ class JaxSampler(GenerationBackend):
       max_len: tokens per sequence, prompt included (default min(max_position_embeddings, 2048)).
       steps_per_call: decode steps per jitted call (fewer host round trips; a finished sequence's slot idles
         for up to about twice this many steps before it is reused, since the next call is already queued).
-      prefill_tokens: prompt tokens per batched prompt pass (rows = prefill_tokens // bucket length, <= 16).
+      prefill_tokens: prompt tokens per batched prompt pass (rows = prefill_tokens // bucket length, <= 16, and
+        no more than max_slots rounded up to a power of two).
       min_bucket: the smallest prompt / attention-window bucket.
       max_stop_tokens: stop ids a request may give (a static shape).
       prefill_patches: image patches per prompt pass (vision-language models): a pass takes prompts while their
@@ -919,8 +920,13 @@ class JaxSampler(GenerationBackend):
                 self._prefill_and_insert(groups_of_pass, length, rows)
 
     def _prefill_rows_per_pass(self, length: int) -> int:
+        """Rows of a prompt pass over `length`-token prompts: as many as `prefill_tokens` holds (at most 16), a
+        power of two (one compiled shape per bucket), and never more than the slots can take (a pass holds one row
+        per admitted prompt, and no more prompts are admitted at once than there are slots: rows past that would
+        be padding computed for nothing)."""
         rows = max(1, min(16, self.prefill_tokens // length))
-        return 1 << (rows.bit_length() - 1)  # a power of two: one compiled shape per bucket
+        rows = 1 << (rows.bit_length() - 1)
+        return min(rows, 1 << (self.max_slots - 1).bit_length())
 
     # ---------------------------------------------------------------------------------------- prefix caching
     def _take(self, pool: list[int]) -> int:
