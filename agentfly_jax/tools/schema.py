@@ -27,6 +27,7 @@ import enum
 import inspect
 import json
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -316,8 +317,6 @@ def _transformers_properties(
     func: Callable, visible: list[inspect.Parameter], doc: str | None
 ) -> tuple[dict[str, Any] | None, str | None]:
     """({name: schema} from transformers.utils.get_json_schema, None) or (None, why it could not)."""
-    from transformers.utils import get_json_schema
-
     def model_visible():  # what get_json_schema reads: the model's parameters only, no return annotation
         pass
 
@@ -326,10 +325,33 @@ def _transformers_properties(
     model_visible.__signature__ = inspect.Signature(visible)
     model_visible.__annotations__ = {parameter.name: parameter.annotation for parameter in visible}
     try:
-        converted = get_json_schema(model_visible)["function"]["parameters"]["properties"]
+        converted = _get_json_schema(model_visible)["function"]["parameters"]["properties"]
     except Exception as error:  # noqa: BLE001 - any refusal means our conversion gives the schema
         return None, f"{type(error).__name__}: {error}"
     return converted, None
+
+
+def _get_json_schema(func: Callable) -> dict[str, Any]:
+    """transformers.utils.get_json_schema(func), without the torch import it makes on every type hint to map
+    `torch.Tensor` (seconds of start-up in a process that has no other use for torch): while it runs, torch
+    counts as available only if it is imported already, which it is wherever a hint can name `torch.Tensor`. The
+    schema is the same either way."""
+    import sys
+
+    from transformers.utils import chat_template_utils
+
+    with _SCHEMA_LOCK:  # one swap at a time: a second would save the first's stand-in as the original
+        available = getattr(chat_template_utils, "is_torch_available", None)
+        if available is None:  # another transformers layout: its own behaviour
+            return chat_template_utils.get_json_schema(func)
+        chat_template_utils.is_torch_available = lambda: "torch" in sys.modules and available()
+        try:
+            return chat_template_utils.get_json_schema(func)
+        finally:
+            chat_template_utils.is_torch_available = available
+
+
+_SCHEMA_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------------------------------

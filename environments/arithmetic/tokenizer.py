@@ -52,10 +52,12 @@ def _corpus(n: int, seed: int) -> list[str]:
 def build_tokenizer(save_dir: str | None = None, *, vocab_size: int = 384, seed: int = 0):
     """The quickstart tokenizer as a transformers PreTrainedTokenizerFast (saved to `save_dir` if given;
     loaded from there when it already exists)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    # PreTrainedTokenizerFast itself, not AutoTokenizer: the saved tokenizer is this class, and importing
+    # transformers' auto classes takes 9 s more on a 2-core CPU (they import its generation code, torch, sklearn)
+    from transformers import PreTrainedTokenizerFast
 
     if save_dir and os.path.isfile(os.path.join(save_dir, "tokenizer.json")):
-        return AutoTokenizer.from_pretrained(save_dir)
+        return PreTrainedTokenizerFast.from_pretrained(save_dir)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
