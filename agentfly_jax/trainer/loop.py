@@ -275,8 +275,14 @@ def run_sft(run: Run) -> dict:
         stages[i] = (stage_steps, fitting)
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer, trainable=run.trainable)
+    # the state enters each step placed as the step returns it: a first call on other placements (a fresh
+    # optimiser state is uncommitted) compiled the same program a second time at step 2
+    shardings = state_shardings(state, run.mesh, policy_model=run.policy, policy_opt=optimizer, rules=run.rules,
+                                trainable=run.trainable)
+    state = jax.device_put(state, shardings)
     step_fn = make_sft_step(run.policy, optimizer, logprob_chunk=run.algorithm.logprob_chunk, lr_schedule=schedule,
-                            trainable=run.trainable, gpu_gemm=cfg.model.gpu_gemm, traces=run.traces)
+                            state_sharding=shardings, trainable=run.trainable, gpu_gemm=cfg.model.gpu_gemm,
+                            traces=run.traces)
     rng = np.random.default_rng(cfg.seed + 11)
     metrics, step = {}, 0
     guard = _NonFiniteGuard(cfg.max_nonfinite_steps)
