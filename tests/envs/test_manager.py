@@ -184,7 +184,7 @@ def test_metrics_count_everything():
             env_a = await a.__aenter__()
             await b.__aenter__()
             waiting = [asyncio.create_task(m.acquire("p", k).__aenter__()) for k in (3, 4)]
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.25)
             metrics = m.metrics("p")
             assert (metrics["in_use"], metrics["idle"], metrics["size"]) == (3, 0, 3)
             assert metrics["waiting"] == 1 and metrics["created"] == 3
@@ -194,7 +194,9 @@ def test_metrics_count_everything():
             metrics = await settle(m, "p", in_use=3, waiting=0, destroyed=1, created=4, unhealthy=1)
             assert metrics["acquires"] == 4
             lat = metrics["acquire_latency_s"]
-            assert 0 <= lat["p50"] <= lat["p99"] <= lat["max"] and lat["max"] >= 0.04  # one waited ≥ 50 ms
+            # one waited 250 ms less the moments before its task first ran (32 ms of a 50 ms wait, once, under the
+            # loaded suite)
+            assert 0 <= lat["p50"] <= lat["p99"] <= lat["max"] and lat["max"] >= 0.15
 
     run(main())
 
