@@ -27,6 +27,7 @@ import enum
 import inspect
 import json
 import re
+import sys
 import threading
 import types
 import typing
@@ -336,8 +337,6 @@ def _get_json_schema(func: Callable) -> dict[str, Any]:
     `torch.Tensor` (seconds of start-up in a process that has no other use for torch): while it runs, torch
     counts as available only if it is imported already, which it is wherever a hint can name `torch.Tensor`. The
     schema is the same either way."""
-    import sys
-
     from transformers.utils import chat_template_utils
 
     with _SCHEMA_LOCK:  # one swap at a time: a second would save the first's stand-in as the original
