@@ -195,8 +195,8 @@ def test_metrics_count_everything():
             assert metrics["acquires"] == 4
             lat = metrics["acquire_latency_s"]
             # one waited 250 ms less the moments before its task first ran (32 ms of a 50 ms wait, once, under the
-            # loaded suite)
-            assert 0 <= lat["p50"] <= lat["p99"] <= lat["max"] and lat["max"] >= 0.15
+            # loaded suite): at least 80% of it, as before
+            assert 0 <= lat["p50"] <= lat["p99"] <= lat["max"] and lat["max"] >= 0.2
 
     run(main())
 

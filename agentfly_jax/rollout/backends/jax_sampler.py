@@ -926,7 +926,7 @@ class JaxSampler(GenerationBackend):
         be padding computed for nothing)."""
         rows = max(1, min(16, self.prefill_tokens // length))
         rows = 1 << (rows.bit_length() - 1)
-        return min(rows, 1 << (self.max_slots - 1).bit_length())
+        return min(rows, _pow2_at_least(self.max_slots, 1))
 
     # ---------------------------------------------------------------------------------------- prefix caching
     def _take(self, pool: list[int]) -> int:
