@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -542,6 +543,13 @@ class JinjaRenderer:
     def end_tokens(self) -> tuple[str, ...]:
         """The added token(s) this template writes right after an assistant turn's content."""
         if self._end_tokens is None:
+            # a renderer is made for every conversation (resolve_template), so the probe's answer is kept per
+            # tokenizer, template and vocabulary size (a token added later probes again)
+            key = (self.chat_template, _vocab_size(self.tokenizer))
+            known = _per_tokenizer(_END_TOKENS, self.tokenizer) if key[1] is not None else None
+            if known is not None and key in known:
+                self._end_tokens = known[key]
+                return self._end_tokens
             mark = "\u2063agentfly-end-probe\u2063"
             try:
                 text = self.render_text([{"role": "user", "content": "ping"},
@@ -551,6 +559,8 @@ class JinjaRenderer:
             after = text[text.rfind(mark) + len(mark):] if mark in text else ""
             added = [t for t in _added_vocab(self.tokenizer) if t and after.startswith(t)]
             self._end_tokens = (max(added, key=len),) if added else ()
+            if known is not None:
+                known[key] = self._end_tokens
         return self._end_tokens
 
     def render_text(
@@ -615,13 +625,47 @@ class JinjaRenderer:
         return out.chunks
 
 
-def _added_vocab(tokenizer: Any) -> dict[str, int]:
-    """{token: id} of the tokenizer's added tokens (special or not), {} for tokenizers without any."""
-    getter = getattr(tokenizer, "get_added_vocab", None)
+# Per-tokenizer answers that cost milliseconds each time (a fast tokenizer's get_added_vocab builds a dict of every
+# added token from the Rust side: ~3 ms for Qwen2.5's), asked for every conversation encoded or rendered. Keyed by
+# the tokenizer object (weakly: a tokenizer dropped takes its entries along) and its vocabulary size with the added
+# tokens, so that tokens added to it later are seen.
+_ADDED_VOCAB: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_END_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
     try:
-        return dict(getter()) if getter else {}
-    except (NotImplementedError, TypeError):
+        return len(tokenizer)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _per_tokenizer(table: weakref.WeakKeyDictionary, tokenizer: Any) -> dict | None:
+    """`tokenizer`'s own dict in `table` (made on first use), or None for an object that cannot be a weak key."""
+    try:
+        return table.setdefault(tokenizer, {})
+    except TypeError:
+        return None
+
+
+def _added_vocab(tokenizer: Any) -> dict[str, int]:
+    """{token: id} of the tokenizer's added tokens (special or not), {} for tokenizers without any. The dict is
+    shared between calls for the same tokenizer and vocabulary size: read it, do not change it."""
+    getter = getattr(tokenizer, "get_added_vocab", None)
+    if not getter:
         return {}
+    known = _per_tokenizer(_ADDED_VOCAB, tokenizer)
+    size = _vocab_size(tokenizer)
+    if known is not None and size is not None and size in known:
+        return known[size]
+    try:
+        added = dict(getter())
+    except (NotImplementedError, TypeError):
+        added = {}
+    if known is not None and size is not None:
+        known.clear()  # only the current size is ever asked for again
+        known[size] = added
+    return added
 
 
 def end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> list[int]:

@@ -253,26 +253,14 @@ def setup(config, workdir: str | None = None) -> Run:
 def run_sft(run: Run) -> dict:
     """Supervised warm start on demonstrations (masked cross-entropy on the assistant tokens)."""
     cfg = run.config
-    stages = [(steps, [encode_conversation(run.tokenizer, _as_agent_prompts(run.agent, m),
-                                           tools=run.agent.template_tools(),
-                                           chat_template=cfg.chat_template or None,
-                                           image_settings=run.agent.image_settings)
-                       for m in demos])
-              for steps, demos in builders.sft_conversations(cfg, run.task_setup, run.train_tasks, run.tokenizer)]
     longest = max(cfg.seq_buckets)
-    for i, (stage_steps, encoded) in enumerate(stages):
-        if cfg.sft.cut_long:
-            encoded = [e if len(e.token_ids) <= longest else _cut_encoded(run, e, longest) for e in encoded]
-        fitting = [e for e in encoded if len(e.token_ids) <= longest]
-        if len(fitting) < len(encoded):
-            log.warning("sft stage %d: %d of %d demonstrations are longer than the largest bucket (%d tokens) and "
-                        "are left out; raise config.seq_buckets or set config.sft.cut_long", i,
-                        len(encoded) - len(fitting), len(encoded), longest)
-            run.writer.scalars(0, {f"sft/stage{i}_dropped_too_long": float(len(encoded) - len(fitting))})
-        if encoded and not fitting:
-            raise ConfigError(f"sft stage {i}: every one of the {len(encoded)} demonstrations is longer than the "
-                              f"largest bucket ({longest} tokens): raise config.seq_buckets")
-        stages[i] = (stage_steps, fitting)
+    stages = [(steps, _Demonstrations(run, demos, i, longest))
+              for i, (steps, demos) in enumerate(builders.sft_conversations(cfg, run.task_setup, run.train_tasks,
+                                                                            run.tokenizer))]
+    for i, (stage_steps, demos) in enumerate(stages):
+        if stage_steps and len(demos) < cfg.sft.batch_size:
+            raise ConfigError(f"config.sft.batch_size={cfg.sft.batch_size} but stage {i} has only {len(demos)} "
+                              "demonstrations: lower the batch size or add demonstrations")
     optimizer, schedule = _optimizer(cfg.sft.optimizer)
     state = create_train_state(run.state.policy.params, optimizer, trainable=run.trainable)
     # the state enters each step placed as the step returns it: a first call on other placements (a fresh
@@ -289,12 +277,9 @@ def run_sft(run: Run) -> dict:
     unchecked = []  # (step, device scalar) of skipped-update flags not read yet: read at each log, not per step
     total = sum(s for s, _ in stages)
     bar = tqdm(total=total, desc="sft", disable=not cfg.progress)
-    for stage_steps, encoded in stages:
-        if len(encoded) < cfg.sft.batch_size:
-            raise ConfigError(f"config.sft.batch_size={cfg.sft.batch_size} but there are only {len(encoded)} "
-                              "demonstrations: lower the batch size or add demonstrations")
+    for stage_steps, demos in stages:
         for _ in range(stage_steps):
-            chosen = [encoded[j] for j in rng.choice(len(encoded), size=cfg.sft.batch_size, replace=False)]
+            chosen = demos.draw(rng, cfg.sft.batch_size)
             batch, image_metrics = _pack(run, [e.token_ids for e in chosen], [e.action_mask for e in chosen],
                                          [e.images for e in chosen])
             with _mesh_context(run):
@@ -309,6 +294,7 @@ def run_sft(run: Run) -> dict:
                 for at, skipped in zip([s for s, _ in unchecked], _fetch([v for _, v in unchecked])):
                     guard.observe(float(skipped), "sft", at, 1)
                 unchecked.clear()
+        demos.report(step)
     bar.close()
     run.state = run.state.replace(policy=run.state.policy.replace(params=state.policy.params))
     if run.state.ref_params is not None:  # the KL reference is the warm-started policy
@@ -319,6 +305,72 @@ def run_sft(run: Run) -> dict:
         run.state = run.state.replace(critic=init_model_state(critic_params, run.critic_opt))
     run.state = jax.device_put(run.state, run.shardings)
     return {k: float(v) for k, v in _fetch(metrics).items()}
+
+
+class _Demonstrations:
+    """One SFT stage's demonstrations, each encoded when a step first draws it: a short stage draws a small share
+    of them, and encoding the quickstart's 8,000 up front took ~20 s of each run's start on a 2-core CPU. One
+    longer than the largest bucket (`longest`) is cut to it (config.sft.cut_long) or left out of every later
+    draw, counted, and the step's draw is made again from the rest (a stage of demonstrations that all fit draws
+    exactly as if all had been encoded first)."""
+
+    def __init__(self, run: Run, conversations: list, stage: int, longest: int):
+        self.run, self.conversations, self.stage, self.longest = run, conversations, stage, longest
+        self.encoded: dict[int, Any] = {}  # index -> Encoded, or None when too long and left out
+        self.drawable = np.arange(len(conversations))
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+    def _encoded(self, index: int):
+        if index not in self.encoded:
+            run = self.run
+            encoded = encode_conversation(run.tokenizer, _as_agent_prompts(run.agent, self.conversations[index]),
+                                          tools=run.agent.template_tools(),
+                                          chat_template=run.config.chat_template or None,
+                                          image_settings=run.agent.image_settings)
+            if len(encoded.token_ids) > self.longest:
+                encoded = _cut_encoded(run, encoded, self.longest) if run.config.sft.cut_long else None
+            self.encoded[index] = encoded
+        return self.encoded[index]
+
+    def draw(self, rng: np.random.Generator, size: int) -> list:
+        """`size` different demonstrations that fit, drawn uniformly from those not known to be too long."""
+        while True:
+            if len(self.drawable) < size:
+                self._refuse(size)
+            picks = self.drawable[rng.choice(len(self.drawable), size=size, replace=False)]
+            chosen = [self._encoded(int(j)) for j in picks]
+            too_long = [int(j) for j, e in zip(picks, chosen) if e is None]
+            if not too_long:
+                return chosen
+            if not self.dropped:
+                log.warning("sft stage %d: demonstrations longer than the largest bucket (%d tokens) are left out "
+                            "(counted in sft/stage%d_dropped_too_long); raise config.seq_buckets or set "
+                            "config.sft.cut_long", self.stage, self.longest, self.stage)
+            self.dropped += len(too_long)
+            self.drawable = np.setdiff1d(self.drawable, too_long)
+
+    def _refuse(self, size: int) -> None:
+        for j in self.drawable:  # every demonstration left is encoded, so that the count below is exact
+            self._encoded(int(j))
+        fitting = sum(e is not None for e in self.encoded.values())
+        if not fitting:
+            raise ConfigError(f"sft stage {self.stage}: every one of the {len(self)} demonstrations is longer than "
+                              f"the largest bucket ({self.longest} tokens): raise config.seq_buckets or set "
+                              "config.sft.cut_long")
+        raise ConfigError(f"config.sft.batch_size={size} but only {fitting} of the {len(self)} demonstrations of "
+                          f"sft stage {self.stage} fit the largest bucket ({self.longest} tokens): lower the batch "
+                          "size, raise config.seq_buckets or set config.sft.cut_long")
+
+    def report(self, step: int) -> None:
+        """The stage's count of demonstrations left out (found among those it drew), logged at its last step."""
+        if self.dropped:
+            log.warning("sft stage %d: %d of the %d demonstrations it encoded (of %d) were longer than the largest "
+                        "bucket (%d tokens) and left out", self.stage, self.dropped, len(self.encoded), len(self),
+                        self.longest)
+            self.run.writer.scalars(step, {f"sft/stage{self.stage}_dropped_too_long": float(self.dropped)})
 
 
 def _as_agent_prompts(agent, messages: list[dict]) -> list[dict]:

@@ -102,3 +102,30 @@ def test_encoder_adds_a_missing_end_of_turn_with_mask_0(converted_tokenizer):
     ids, mask = encoder.token_ids, encoder.action_mask
     end = len(ids) - ids[::-1].index(cut_off[-1])  # just after the sampled turn
     assert ids[end] == IM_END and mask[end] == 0 and mask[end - len(cut_off): end] == [1] * len(cut_off)
+
+
+def test_a_token_added_after_the_first_probe_becomes_the_end_of_turn():
+    """The end-of-turn probe and the added vocabulary are kept per tokenizer (a renderer is made for every
+    conversation, and a fast tokenizer's added vocabulary costs milliseconds to build): asked again, the
+    tokenizer is read once; a token added to it later is seen at once."""
+    tokenizer = AutoTokenizer.from_pretrained(str(CHECKPOINT))  # its own copy: this test adds a token
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "{% if m['role'] == 'assistant' %}<|turn_over|>{% else %}<|im_end|>{% endif %}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    reads = []
+    get_added_vocab = tokenizer.get_added_vocab
+    tokenizer.get_added_vocab = lambda: reads.append(1) or get_added_vocab()
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert end_of_turn_ids(tokenizer, template) == []  # "<|turn_over|>" is plain text here
+    first = [encode_conversation(tokenizer, conversation, chat_template=template) for _ in range(20)]
+    assert len(reads) == 1 and all(e == first[0] for e in first)
+    # plain text: the turn's generated tokens run through "<|turn_over|>"'s pieces
+    assert sum(first[0].action_mask) > len(tokenizer.encode("hello", add_special_tokens=False))
+
+    tokenizer.add_tokens(["<|turn_over|>"], special_tokens=True)
+    [turn_over] = tokenizer.encode("<|turn_over|>", add_special_tokens=False)
+    assert end_of_turn_ids(tokenizer, template) == [turn_over]
+    encoded = encode_conversation(tokenizer, conversation, chat_template=template)
+    generated = [t for t, m in zip(encoded.token_ids, encoded.action_mask) if m]
+    assert generated == tokenizer.encode("hello", add_special_tokens=False) + [turn_over]
+    assert len(reads) == 2
