@@ -461,8 +461,9 @@ def probe_vllm_servers(urls, timeout: float = 5.0) -> None:
 def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, tokenizer=None):
     """The rollout backend. With `backend="vllm"` and `vllm.launch=True`, the trainer starts
     `vllm.num_servers` local servers itself: the initial policy is written to `<workdir>/vllm_model` (the servers
-    need a checkpoint of the policy's shape; the trained weights reach them by weight sync) and the servers are
-    stopped when the backend closes. A vision-language policy's directory also gets `tokenizer` and the image
+    need a checkpoint of the policy's shape; the trained weights reach them by weight sync), the servers start in
+    the background (about a minute each on a CPU, during the SFT warm start; the backend's first request waits for
+    them and raises their start's error) and are stopped when the backend closes. A vision-language policy's directory also gets `tokenizer` and the image
     processor's settings (`preprocessor_config.json`, the agent's min/max pixels): vLLM's image processing needs
     both."""
     if cfg.backend == "jax":
@@ -500,7 +501,7 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, t
             write_preprocessor_config(model_dir, agent_image_settings(cfg))
         servers = LocalVLLMServers(model_dir, v.num_servers, extra_args=server_args,
                                    run_dir=os.path.join(workdir, "vllm"))
-        urls = servers.start()
+        urls = servers.start(wait=False)  # they start while the run sets up and warm-starts; the first request waits
     return VLLMBackend(urls, model, owned_servers=servers, weight_sync=v.weight_sync, weight_dir=v.weight_dir or None,
                        served_model_name=v.served_model_name, request_timeout=v.request_timeout,
                        update_timeout=v.update_timeout, max_retries=v.max_retries)

@@ -202,7 +202,9 @@ class VLLMBackend(GenerationBackend):
     Retries: max_retries more attempts after the first, sleeping retry_backoff * 2**attempt (<= max_backoff);
     a failed server is avoided for down_time seconds (doubling per consecutive failure) while others are up.
     keepalive_timeout: seconds an idle pooled connection is kept (below the servers' own keep-alive, 5 s in vLLM).
-    owned_servers: servers this backend was started with (e.g. a `LocalVLLMServers`); `close()` stops them.
+    owned_servers: servers this backend was started with (e.g. a `LocalVLLMServers`); `close()` stops them. When
+    they may still be starting (a `wait()` method: `LocalVLLMServers.start(wait=False)`), the first request waits
+    for them and raises their start's error.
     multimodal: whether the servers serve a vision-language model that takes images with the prompt (sets
     `supports_images`); default: whether `model` is one (`model.config.vision` is set), False without `model`.
     image_token_id: the `<|image_pad|>` id (default: `model.config.vision.image_token_id`, else Qwen2-VL's 151655).
@@ -233,6 +235,7 @@ class VLLMBackend(GenerationBackend):
         self._own_weight_dir = None
         self.chunk_bytes = int(chunk_bytes)
         self.owned_servers = owned_servers
+        self._servers_started = not callable(getattr(owned_servers, "wait", None))
         self.keepalive_timeout = float(keepalive_timeout)
         vision = getattr(getattr(model, "config", None), "vision", None)
         self.supports_images = bool(vision is not None if multimodal is None else multimodal)
@@ -280,6 +283,9 @@ class VLLMBackend(GenerationBackend):
         (what to do) appended when given."""
         import aiohttp
 
+        if not self._servers_started:  # owned servers started in the background: up before the first request
+            await asyncio.to_thread(self.owned_servers.wait)
+            self._servers_started = True
         session = self._loop_state()
         timeout = aiohttp.ClientTimeout(total=timeout or self.request_timeout, sock_connect=self.connect_timeout)
         url = server.url + path

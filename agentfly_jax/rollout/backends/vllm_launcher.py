@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,6 +144,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _StoppedWhileStarting(VLLMLaunchError):
+    """A background start ended by stop()."""
+
+
 class LocalVLLMServers:
     """`num_servers` vLLM servers on this machine serving `model_dir` (an HF checkpoint directory)."""
 
@@ -162,6 +167,9 @@ class LocalVLLMServers:
         self.start_timeout = float(start_timeout)
         self.ports: list[int] = []
         self._atexit_registered = False
+        self._starting: threading.Thread | None = None  # a background start (start(wait=False))
+        self._stopping = False
+        self._start_error: BaseException | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -177,18 +185,56 @@ class LocalVLLMServers:
             env["AGENTFLY_VLLM_RUN_DIR"] = self.run_dir
         return env
 
-    def start(self) -> list[str]:
+    def start(self, *, wait: bool = True) -> list[str]:
         """Starts the servers one after the other (each takes about a minute on a CPU); returns their URLs.
         If one fails (or the start is interrupted), every server started so far — including the one being
         started — is stopped and VLLMLaunchError carries the script's output. Servers still running at
         interpreter exit are stopped too (atexit), and each server's watchdog stops it when this process dies
-        any other way (kill -9, crash)."""
+        any other way (kill -9, crash).
+
+        wait=False returns the URLs at once and starts the servers in a background thread, so that the caller
+        can work meanwhile (the trainer's SFT stage); `wait()` blocks until they are up and raises what their
+        start raised (a failure is also logged as it happens)."""
         if not self._atexit_registered:
             atexit.register(self.stop)
             self._atexit_registered = True
-        for _ in range(self.num_servers):
+        if self._starting is not None:
+            raise RuntimeError("LocalVLLMServers.start() was called twice; stop() first")
+        ports: list[int] = []
+        while len(ports) < self.num_servers:
             port = _free_port()
-            self.ports.append(port)  # registered before the script runs: an interrupt still stops it
+            if port not in ports:
+                ports.append(port)
+        self._stopping, self._start_error = False, None
+        if wait:
+            self._start_ports(ports)
+            return self.urls
+        self._starting = threading.Thread(target=self._start_in_background, args=(ports,), daemon=True,
+                                          name="vllm-server-start")
+        self._starting.start()
+        return [f"http://127.0.0.1:{p}" for p in ports]
+
+    def wait(self) -> None:
+        """Blocks until a background start (start(wait=False)) has ended; raises its error if it failed, every
+        time it is asked. Returns at once after a start that waited."""
+        if self._starting is not None:
+            self._starting.join()
+        if self._start_error is not None:
+            raise self._start_error
+
+    def _start_in_background(self, ports: list[int]) -> None:
+        try:
+            self._start_ports(ports)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait(), which raises it in the caller
+            self._start_error = exc if isinstance(exc, Exception) else VLLMLaunchError(f"vLLM start ended: {exc!r}")
+            if not isinstance(exc, _StoppedWhileStarting):
+                log.error("starting the vLLM servers failed: %s", exc)
+
+    def _start_ports(self, ports: list[int]) -> None:
+        for port in ports:
+            if self._stopping:
+                raise _StoppedWhileStarting("the vLLM servers were stopped while they were starting")
+            self.ports.append(port)  # registered before the script runs: an interrupt or stop() still stops it
             log.info("starting a vLLM server for %s on port %d", self.model_dir, port)
             try:
                 proc = subprocess.run(["bash", str(_SCRIPTS / "start_vllm.sh"), self.model_dir, str(port),
@@ -197,15 +243,27 @@ class LocalVLLMServers:
             except BaseException:
                 self.stop()
                 raise
+            if self._stopping:  # stop() ran while this script started the server
+                if port in self.ports:  # registered after stop() took the list: stopped here
+                    self.ports.remove(port)
+                    self._stop_ports([port])
+                raise _StoppedWhileStarting("the vLLM servers were stopped while they were starting")
             if proc.returncode != 0:
                 self.stop()
                 raise VLLMLaunchError(f"scripts/start_vllm.sh {self.model_dir} {port} failed (exit "
                                       f"{proc.returncode}):\n{proc.stderr[-4000:]}")
-        return self.urls
 
     def stop(self) -> None:
-        """Stops every server this object started (SIGTERM, then SIGKILL to its process group)."""
+        """Stops every server this object started (SIGTERM, then SIGKILL to its process group); a background
+        start still running stops at its current server, which is stopped too."""
+        self._stopping = True
         ports, self.ports = self.ports, []
+        self._stop_ports(ports)
+        starting, self._starting = self._starting, None
+        if starting is not None and starting is not threading.current_thread():
+            starting.join(timeout=60)  # its script sees the server gone and ends
+
+    def _stop_ports(self, ports: list[int]) -> None:
         for port in ports:
             proc = subprocess.run(["bash", str(_SCRIPTS / "stop_vllm.sh"), str(port)], env=self._env(),
                                   capture_output=True, text=True, check=False)
