@@ -295,8 +295,9 @@ class SFTSection:
     expert_fraction: float | None = knob(None, lambda v: v is None or 0 <= v <= 1, "in [0, 1]")  # with steps
     batch_size: int = knob(16, *POSITIVE)
     data_path: str = ""
-    # demonstrations longer than the largest seq bucket: False leaves them out (counted in sft/stage*_dropped_too_long),
-    # True trains on their first tokens (the prompt and the turns that fit)
+    # demonstrations longer than the largest seq bucket (found when a step first draws them: each is encoded then):
+    # False leaves them out (counted in sft/stage*_dropped_too_long at the stage's end), True trains on their first
+    # tokens (the prompt and the turns that fit)
     cut_long: bool = False
     optimizer: OptimizerConfig = knob(factory=lambda: OptimizerConfig(learning_rate=1e-5))
 

