@@ -5,7 +5,6 @@ system prompt, tool schema, the demonstrations themselves) are token for token t
 fingerprint in build.json); and it predicts them as a warm-started policy does. A change to any of them fails
 here, naming the script to run again, before it fails the vLLM learning test that starts from the checkpoint."""
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -13,10 +12,9 @@ import numpy as np
 
 from agentfly_jax.trainer import builders, loop
 from agentfly_jax.trainer.update import token_logprobs
+from tests.script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import build_quickstart_warm_start as build  # noqa: E402
+build = load_script("build_quickstart_warm_start")
 
 
 def test_the_warm_start_checkpoint_was_trained_on_todays_demonstrations(tmp_path):
