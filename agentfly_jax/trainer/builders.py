@@ -463,9 +463,9 @@ def build_backend(cfg: TrainConfig, model, params, workdir: str | None = None, t
     `vllm.num_servers` local servers itself: the initial policy is written to `<workdir>/vllm_model` (the servers
     need a checkpoint of the policy's shape; the trained weights reach them by weight sync), the servers start in
     the background (about a minute each on a CPU, during the SFT warm start; the backend's first request waits for
-    them and raises their start's error) and are stopped when the backend closes. A vision-language policy's directory also gets `tokenizer` and the image
-    processor's settings (`preprocessor_config.json`, the agent's min/max pixels): vLLM's image processing needs
-    both."""
+    them and raises their start's error) and are stopped when the backend closes. A vision-language policy's
+    directory also gets `tokenizer` and the image processor's settings (`preprocessor_config.json`, the agent's
+    min/max pixels): vLLM's image processing needs both."""
     if cfg.backend == "jax":
         from agentfly_jax.rollout.backends import JaxSampler
 

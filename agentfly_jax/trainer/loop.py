@@ -309,7 +309,8 @@ def run_sft(run: Run) -> dict:
 
 class _Demonstrations:
     """One SFT stage's demonstrations, each encoded when a step first draws it: a short stage draws a small share
-    of them, and encoding the quickstart's 8,000 up front took ~20 s of each run's start on a 2-core CPU. One
+    of them, and encoding the quickstart's 8,000 up front took ~20 s of each run's start on a 2-core CPU (~50 s
+    before the templates kept their per-tokenizer answers). One
     longer than the largest bucket (`longest`) is cut to it (config.sft.cut_long) or left out of every later
     draw, counted, and the step's draw is made again from the rest (a stage of demonstrations that all fit draws
     exactly as if all had been encoded first)."""
