@@ -153,7 +153,7 @@ def test_launched_vllm_servers_get_the_tokenizer_and_image_settings(tokenizer, t
         def __init__(self, model_dir, num_servers, *, extra_args, run_dir):
             self.model_dir = model_dir
 
-        def start(self):
+        def start(self, *, wait=True):
             return ["http://127.0.0.1:1"]
 
     monkeypatch.setattr("agentfly_jax.rollout.backends.LocalVLLMServers", Recorder)

@@ -6,6 +6,7 @@ scripts a user runs by hand for servers on other machines (then pass their URLs 
 
     servers = LocalVLLMServers(model_dir, num_servers=1, extra_args=("--dtype", "float32"), run_dir="runs/x/vllm")
     urls = servers.start()      # blocks until every server answers /health
+    # or: urls = servers.start(wait=False), other work, then servers.wait() (the trainer: VLLMBackend waits)
     ...
     servers.stop()              # idempotent; also called by VLLMBackend.close() for servers it was given
 
