@@ -42,7 +42,7 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def search_subset_cache(tmp_path_factory, worker_id):
+def search_subset_cache(tmp_path_factory, request):
     """A search cache directory over ~1,500 real Wikipedia summaries (tests/environments/search/subset.py) with
     its BM25 index and real all-MiniLM-L6-v2 embeddings (about a minute and a half on two cores): the dense and
     hybrid tests embed these instead of the whole corpus. Built once per test run: pytest-xdist's workers share
@@ -50,7 +50,7 @@ def search_subset_cache(tmp_path_factory, worker_id):
     the first one builds it under a file lock and the others wait for it."""
     from tests.environments.search.subset import build_subset_cache
 
-    if worker_id == "master":  # one process: its own directory
+    if not hasattr(request.config, "workerinput"):  # not a pytest-xdist worker: a directory of its own
         root = tmp_path_factory.mktemp("search-subset-root")
     else:  # the workers' base temporaries are folders of the one run's
         root = tmp_path_factory.getbasetemp().parent
