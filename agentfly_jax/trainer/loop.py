@@ -310,19 +310,22 @@ def run_sft(run: Run) -> dict:
 class _Demonstrations:
     """One SFT stage's demonstrations, each encoded when a step first draws it: a short stage draws a small share
     of them, and encoding the quickstart's 8,000 up front took ~20 s of each run's start on a 2-core CPU (~50 s
-    before the templates kept their per-tokenizer answers). One
-    longer than the largest bucket (`longest`) is cut to it (config.sft.cut_long) or left out of every later
-    draw, counted, and the step's draw is made again from the rest (a stage of demonstrations that all fit draws
-    exactly as if all had been encoded first)."""
+    before the templates kept their per-tokenizer answers). One longer than the largest bucket (`longest`) is cut
+    to it (config.sft.cut_long) or left out of every later draw, counted, and the step's draw is made again from
+    the rest (a stage of demonstrations that all fit draws exactly as if all had been encoded first)."""
 
     def __init__(self, run: Run, conversations: list, stage: int, longest: int):
         self.run, self.conversations, self.stage, self.longest = run, conversations, stage, longest
         self.encoded: dict[int, Any] = {}  # index -> Encoded, or None when too long and left out
         self.drawable = np.arange(len(conversations))
-        self.dropped = 0
 
     def __len__(self) -> int:
         return len(self.conversations)
+
+    @property
+    def dropped(self) -> int:
+        """The demonstrations found too long and left out so far."""
+        return sum(e is None for e in self.encoded.values())
 
     def _encoded(self, index: int):
         if index not in self.encoded:
@@ -346,11 +349,10 @@ class _Demonstrations:
             too_long = [int(j) for j, e in zip(picks, chosen) if e is None]
             if not too_long:
                 return chosen
-            if not self.dropped:
+            if self.dropped == len(too_long):  # the first found
                 log.warning("sft stage %d: demonstrations longer than the largest bucket (%d tokens) are left out "
                             "(counted in sft/stage%d_dropped_too_long); raise config.seq_buckets or set "
                             "config.sft.cut_long", self.stage, self.longest, self.stage)
-            self.dropped += len(too_long)
             self.drawable = np.setdiff1d(self.drawable, too_long)
 
     def _refuse(self, size: int) -> None:
