@@ -4,6 +4,8 @@
     python scripts/bench_update.py --shape tiny --steps 3  # the short CPU version CI runs
     python scripts/bench_update.py --mode optimizer     # the clip + AdamW step alone: optax, each fused
                                                         # layout, and torch's fused AdamW + clip
+    python scripts/bench_update.py --mode rl_step       # ours only: prepare + train step of a GRPO update, with
+                                                        # each rl.old_logprobs setting (--old-logprobs)
 
 Both sides get random weights of the same shape, the same token batch and AdamW. Ours runs the full PPO policy
 loss (fp32 log-probabilities in sequence chunks, clipped ratio); the peer runs transformers' causal-LM
@@ -78,10 +80,11 @@ def run_jax(args) -> dict:
     model = CausalLM(config)
     trainable = lora.is_adapter if args.lora_rank else None  # LoRA: adapters trained, the base frozen
     params = init_params(model, jax.random.PRNGKey(0))
-    if args.mode == "optimizer":
+    if args.mode in ("optimizer", "rl_step"):
+        timed = _time_optimizers if args.mode == "optimizer" else _time_rl_steps
         return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "mode": args.mode,
                 "fp32_params": args.fp32_params, "lora_rank": args.lora_rank, "shape": args.shape,
-                "dtype": args.dtype, "variants": _time_optimizers(args, params, trainable)}
+                "dtype": args.dtype, "variants": timed(args, model, params, trainable)}
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer,
                                                update_norm=args.update_norm))
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
@@ -215,7 +218,7 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
             "unlabelled_top": dict(list(unlabelled.items())[:12]), "copies_top": copies_top}
 
 
-def _time_optimizers(args, params, trainable) -> dict:
+def _time_optimizers(args, model, params, trainable) -> dict:
     """`--mode optimizer`: the trainer's optimiser step alone (`update._apply`: global-norm clip, AdamW, the
     non-finite skip and the gradient/update/parameter norms it logs; state donated) on fixed random gradients,
     for each `optimizer.fused` setting in turn, in this one process. -> {setting: timings}."""
@@ -256,6 +259,60 @@ def _time_optimizers(args, params, trainable) -> dict:
         print(f"optimizer {setting}: {out[setting]}", file=sys.stderr, flush=True)
         holder.clear()  # this setting's state is freed before the next one's is made
     out["parameter_leaves"] = len(leaves)
+    return out
+
+
+def _time_rl_steps(args, model, params, trainable) -> dict:
+    """`--mode rl_step`: one synchronous GRPO update as the trainer runs it, `prepare` (old log-probabilities unless
+    the train step takes them, advantages, loss weights) then the train step, on one batch (groups of 8 rows with
+    random rewards), for each `rl.old_logprobs` setting in turn, in this one process. -> {setting: timings}."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from agentfly_jax.algorithms import get_recipe
+    from agentfly_jax.trainer import (OptimizerConfig, create_train_state, make_optimizer, make_prepare_fn,
+                                      make_train_step, pack_step, take_minibatch)
+
+    rng = np.random.default_rng(0)
+    n, t = args.batch, args.seq_len
+    tokens = rng.integers(0, model.config.vocab_size, (n, t), dtype=np.int32)
+    mask = np.zeros((n, t), np.float32)
+    mask[:, t // 4:] = 1.0  # a prompt, then the sampled tokens
+    batch = pack_step(tokens, mask, -rng.exponential(size=(n, t)).astype(np.float32) * mask, np.full(n, t),
+                      rewards=rng.normal(size=n).astype(np.float32), group_ids=np.arange(n) // 8,
+                      minibatch=np.zeros(n, np.int32), num_minibatches=1, micro_batches=args.micro, row_len=t)
+    batch = jax.tree.map(jnp.asarray, batch)
+    base = get_recipe("grpo").resolve({}, {"logprob_chunk": args.chunk or None})
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer,
+                                               update_norm=args.update_norm))
+    out = {}
+    for setting in args.old_logprobs:
+        alg = dataclasses.replace(base, old_logprobs_in_step=setting == "auto")  # what the config decides for it
+        prepare = make_prepare_fn(model, alg, gpu_gemm=args.gpu_gemm)
+        step = make_train_step(model, alg, optimizer, trainable=trainable, gpu_gemm=args.gpu_gemm)
+        holder = {"state": create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)}
+        t0 = time.perf_counter()
+        prepare_c = prepare.lower(holder["state"], batch).compile()
+        filled, _ = prepare_c(holder["state"], batch)
+        step_c = step.lower(holder["state"], take_minibatch(filled.rows, 0)).compile()
+        compile_s = time.perf_counter() - t0
+
+        def one():
+            filled, _ = prepare_c(holder["state"], batch)
+            holder["state"], metrics = step_c(holder["state"], take_minibatch(filled.rows, 0))
+            jax.block_until_ready(metrics["policy/loss"])
+
+        times = _timeit(one, args.steps, args.warmup)
+        cost = (prepare_c.cost_analysis() or {})
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[setting] = {"step_ms": round(1e3 * sorted(times)[len(times) // 2], 3),
+                        "step_ms_min": round(1e3 * min(times), 3), "compile_s": round(compile_s, 2),
+                        "prepare_gflop": round(float(cost.get("flops", 0.0)) / 1e9, 3)}
+        print(f"rl_step old_logprobs={setting}: {out[setting]}", file=sys.stderr, flush=True)
+        holder.clear()
     return out
 
 
@@ -357,9 +414,12 @@ def main(argv=None) -> int:
     p.add_argument("--attention-segments", type=int, default=ModelSection().attention_segments,
                    help="ours: config.model.attention_segments, cuDNN's packed layout for up to N segments a row "
                         "(0: the dense segment mask)")
-    p.add_argument("--mode", choices=["step", "grad", "forward", "optimizer"], default="step",
-                   help="ours: full step, gradients only, forward log-probs only (time breakdown), or the "
-                        "optimiser step alone (every optimizer.fused setting, and the peer's clip + AdamW)")
+    p.add_argument("--mode", choices=["step", "grad", "forward", "optimizer", "rl_step"], default="step",
+                   help="ours: full step, gradients only, forward log-probs only (time breakdown), the "
+                        "optimiser step alone (every optimizer.fused setting, and the peer's clip + AdamW), or "
+                        "prepare + train step of a GRPO update (ours only, every --old-logprobs setting)")
+    p.add_argument("--old-logprobs", nargs="+", default=["prepare", "auto"], choices=["prepare", "auto"],
+                   help="--mode rl_step: the rl.old_logprobs settings timed, in this order")
     settings = (*OPTIMIZER_FUSED, *(f"{f}:{n}" for f in OPTIMIZER_FUSED for n in UPDATE_NORMS))
     p.add_argument("--optimizer-settings", nargs="+", default=list(OPTIMIZER_FUSED), choices=settings,
                    help="--mode optimizer: the optimizer.fused settings timed, in this order, each with "
@@ -390,6 +450,18 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
+    if args.mode == "rl_step":  # ours only: the peer has no prepare pass to compare
+        ours = side_result([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
+                            "--impl", "jax"], "benchmark side 'jax'")
+        print(json.dumps(ours))
+        v = ours["variants"]
+        print(f"SUMMARY GRPO update (prepare + train step) {args.shape} {args.dtype} B={args.batch} T={args.seq_len} "
+              f"on {ours['device']}: " + ", ".join(f"old_logprobs={k} {v[k]['step_ms']} ms (prepare "
+                                                   f"{v[k]['prepare_gflop']} GFLOP)" for k in v))
+        if args.out:
+            with open(args.out, "a") as fh:
+                fh.write(json.dumps({"ours": ours}) + "\n")
+        return 0
     results = [side_result([sys.executable, os.path.abspath(__file__),
                             *(argv if argv is not None else sys.argv[1:]), "--impl", impl], f"benchmark side {impl!r}")
                for impl in ("jax", "torch")]

@@ -161,6 +161,10 @@ class ResolvedAlgorithm:
     temperature: float
     logprob_chunk: int | None
     is_cap: float | None
+    # the update is one optimiser step on the parameters `prepare` would read (one epoch of one mini-batch) and no
+    # KL enters the reward: the train step's own forward pass gives the old log-probabilities (their value, no
+    # gradient), so `prepare` runs no policy forward pass of its own (config.rl.old_logprobs)
+    old_logprobs_in_step: bool = False
 
     @property
     def needs_reference(self) -> bool:

@@ -17,7 +17,8 @@ With `rl.max_staleness = k >= 1`:
   once, and each token records the version that sampled it (`Trajectory.token_versions`).
 
 The off-policy correction is decoupled PPO: the clipped ratio is taken against the proximal policy (the
-parameters at the start of the update, whose log-probabilities `prepare` recomputes as `old_logprobs`), and each
+parameters at the start of the update, whose log-probabilities `prepare` recomputes as `old_logprobs`, or the train
+step's own forward pass gives with one optimiser step per update: `rl.old_logprobs`), and each
 token's policy-gradient term is weighted by the truncated behaviour ratio min(π_prox / π_behaviour, `loss.is_cap`),
 with π_behaviour the log-probabilities the sampler recorded when it drew the token (`sampler_logprobs`). Those are
 exactly the probabilities of the distribution that sampled each token, also for a sequence whose weights changed

@@ -310,6 +310,12 @@ class RLSection:
     ppo_epochs: int = knob(1, *POSITIVE)
     mini_batches: int = knob(1, *POSITIVE)
     micro_batches: int = knob(1, *POSITIVE)
+    # where the old log-probabilities (the policy before this update: PPO's ratio, the IS correction) come from.
+    # "auto": when the update is one optimiser step (ppo_epochs 1, mini_batches 1) and no KL enters the reward,
+    # from the train step's own forward pass (the same parameters, so the ratio is exactly 1 and no gradient flows
+    # through them): one forward pass of the policy less per step. "prepare": always from a forward pass of their
+    # own before the update (the same values up to rounding; what every run did before this knob).
+    old_logprobs: str = knob("auto", *_one_of("auto", "prepare"))
     # upper bound on rows x row length of one micro-batch: a step with more tokens is split into more
     # micro-batches (counts rounded to 1, 2, 3, 4, 6, 8, 12, ... so shapes repeat). None: `micro_batches` only.
     micro_batch_tokens: int | None = knob(65536, lambda v: v is None or v > 0, "> 0")
@@ -672,6 +678,10 @@ class TrainConfig:
         resolved = recipe.resolve(dataclasses.asdict(self.advantage), loss)
         if resolved.aggregation == "seq-mean-token-sum-norm" and resolved.norm_len is None:
             resolved = dataclasses.replace(resolved, norm_len=self.agent.max_context_tokens)
+        one_step = self.rl.ppo_epochs == 1 and self.rl.mini_batches == 1
+        kl_reward = recipe.kl_in_reward and bool(resolved.kl_in_reward_coef)  # prepare reads the old log-probs
+        if self.rl.old_logprobs == "auto" and one_step and not kl_reward:
+            resolved = dataclasses.replace(resolved, old_logprobs_in_step=True)
         return resolved
 
 

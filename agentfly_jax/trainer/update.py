@@ -64,23 +64,34 @@ def values_of(model, params, rows: PackedRows):
     return _shift_right(values[:, :-1])
 
 
+#: The mean |trainer - sampler| log-probability of the action tokens (the old log-probabilities against the
+#: rollout engine's): logged by `prepare`, or by the train step when it computes the old log-probabilities.
+MISMATCH = "mismatch/sampler_vs_trainer_logprob_abs"
+
+
 def policy_loss(params, rows: PackedRows, model, alg: ResolvedAlgorithm):
-    """(loss, metrics) on one micro-batch; the loss is sum(loss_weights * per-token terms)."""
+    """(loss, metrics) on one micro-batch; the loss is sum(loss_weights * per-token terms). With
+    `alg.old_logprobs_in_step` the old log-probabilities are this forward pass's own (`rows.old_logprobs` unread)
+    and the metrics hold the sampler mismatch (MISMATCH)."""
     mask = rows.action_mask  # [R, L]
     token_weights = rows.loss_weights  # [R, L], the recipe's aggregation over the whole mini-batch folded in
     logprobs, entropy = token_logprobs(model, params, rows, temperature=alg.temperature, chunk=alg.logprob_chunk)
     metrics = {}
+    old_logprobs = rows.old_logprobs
+    if alg.old_logprobs_in_step:  # the parameters prepare would have read: their values, without a gradient
+        old_logprobs = jax.lax.stop_gradient(logprobs)
+        metrics[MISMATCH] = _mean_on(jnp.abs(old_logprobs - rows.sampler_logprobs), mask)
     pg_weights = token_weights
     if alg.is_cap is not None:
         is_weights, is_metrics = algorithms.truncated_is_weights(
-            rows.old_logprobs, rows.sampler_logprobs, mask, cap=alg.is_cap)
+            old_logprobs, rows.sampler_logprobs, mask, cap=alg.is_cap)
         pg_weights = token_weights * is_weights
         metrics.update(is_metrics)
     loss_fn = algorithms.get_policy_loss(alg.recipe.policy_loss)
     # sequence-level losses (GSPO) find the packed trajectories by their segment ids
     extra = {"segment_ids": rows.segment_ids} if "segment_ids" in inspect.signature(loss_fn).parameters else {}
     pg_loss, pg_metrics = loss_fn(
-        logprobs, rows.old_logprobs, rows.advantages, mask, clip_eps=alg.clip_eps,
+        logprobs, old_logprobs, rows.advantages, mask, clip_eps=alg.clip_eps,
         clip_eps_high=alg.clip_eps_high, dual_clip=alg.dual_clip, weights=pg_weights, **extra)
     metrics.update(pg_metrics)
     metrics["pg_loss"] = loss = pg_loss
@@ -318,20 +329,21 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, 
 
     def prepare(state: TrainState, batch: UpdateBatch):
         rows = batch.rows
-        old = _per_micro_batch(logprob_fn, state.policy.params, rows)
+        # the train step computes them itself (one optimiser step: its parameters are the ones read here)
+        old = None if alg.old_logprobs_in_step else _per_micro_batch(logprob_fn, state.policy.params, rows)
         ref = _per_micro_batch(logprob_fn, state.ref_params, rows) if alg.needs_reference else None
         mask = _unpack(rows.action_mask, batch)  # [N, T]
         values = None
         if critic_model is not None:
             packed_values = _per_micro_batch(lambda p, r: values_of(critic_model, p, r), state.critic.params, rows)
             values = _unpack(packed_values, batch) * mask
-        old_nt = _unpack(old, batch)
         token_kl = None
         estimator_kwargs = dict(alg.estimator_kwargs)
         if recipe.kl_in_reward:
             estimator_kwargs["kl_coef"] = alg.kl_in_reward_coef
-            if alg.kl_in_reward_coef:
-                token_kl = algorithms.kl_penalty(old_nt, _unpack(ref, batch), alg.kl_in_reward_estimator)
+            if alg.kl_in_reward_coef:  # never with old_logprobs_in_step (config.resolved_algorithm)
+                token_kl = algorithms.kl_penalty(_unpack(old, batch), _unpack(ref, batch),
+                                                 alg.kl_in_reward_estimator)
         advantages, returns = algorithms.compute_advantages(
             recipe.estimator, rewards=batch.rewards, group_ids=batch.group_ids, action_mask=mask, values=values,
             token_kl=token_kl, **estimator_kwargs)
@@ -350,10 +362,9 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, 
         metrics = {
             "advantages/mean": adv_mean,
             "advantages/std": jnp.sqrt(jnp.sum(jnp.where(on, (advantages - adv_mean) ** 2, 0.0)) / count),
-            "mismatch/sampler_vs_trainer_logprob_abs":
-                jnp.sum(jnp.where(rows.action_mask > 0, jnp.abs(old - rows.sampler_logprobs), 0.0))
-                / jnp.maximum(jnp.sum(rows.action_mask > 0), 1),
         }
+        if old is not None:
+            metrics[MISMATCH] = _mean_on(jnp.abs(old - rows.sampler_logprobs), rows.action_mask)
         return batch.replace(rows=filled), metrics
 
     return jax.jit(_traced_counting(prepare, traces, "prepare"), compiler_options=gpu_compiler_options(gpu_gemm))
@@ -373,7 +384,8 @@ def make_train_step(policy_model, alg: ResolvedAlgorithm, policy_opt: optax.Grad
         grads, policy_metrics = accumulate_gradients(
             lambda p, b: policy_loss(p, b, policy_model, alg), state.policy.params, micro_batches, trainable)
         policy, opt_metrics = _apply(state.policy, grads, policy_opt, trainable)
-        metrics.update({f"policy/{k}": v for k, v in {**policy_metrics, **opt_metrics}.items()})
+        mismatch = {MISMATCH: policy_metrics.pop(MISMATCH)} if MISMATCH in policy_metrics else {}
+        metrics.update({f"policy/{k}": v for k, v in {**policy_metrics, **opt_metrics}.items()}, **mismatch)
         if lr_schedule is not None:
             metrics["policy/learning_rate"] = lr_schedule(state.step)
         critic = state.critic

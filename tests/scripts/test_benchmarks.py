@@ -59,6 +59,18 @@ def test_bench_update_optimizer_mode_short(tmp_path):
     assert record["peer"]["step_ms"] > 0
 
 
+def test_bench_update_rl_step_mode_short(tmp_path):
+    """--mode rl_step: prepare + train step for each rl.old_logprobs setting (ours only); with "auto" the compiled
+    prepare does no floating-point work of the policy's (the train step's forward pass gives the old log-probs)."""
+    out = tmp_path / "rl_step.jsonl"
+    stdout = _run(["scripts/bench_update.py", "--shape", "tiny", "--mode", "rl_step", "--steps", "1", "--warmup",
+                   "0", "--batch", "8", "--seq-len", "32", "--out", str(out)])
+    assert "SUMMARY GRPO update (prepare + train step) tiny" in stdout
+    variants = json.loads(out.read_text().splitlines()[-1])["ours"]["variants"]
+    assert list(variants) == ["prepare", "auto"] and all(v["step_ms"] > 0 for v in variants.values())
+    assert variants["prepare"]["prepare_gflop"] > 0.1 and variants["auto"]["prepare_gflop"] < 1e-3
+
+
 def test_bench_train_attention_short(tmp_path):
     """The CPU version: the einsum path timed on packed rows with padding; cuDNN's kernels, absent here, each
     reported as an error line, not a crash."""

@@ -152,6 +152,29 @@ def test_default_config_is_the_typed_defaults_with_placeholders():
 
 
 @pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # ml_collections loading the file
+@pytest.mark.parametrize("change,in_step", [
+    ({}, True),  # the quickstart: one epoch of one mini-batch, no KL in the reward
+    ({"rl.old_logprobs": "prepare"}, False),
+    ({"rl.ppo_epochs": 2}, False),  # the second epoch's policy is not the one that sampled: prepare's pass
+    ({"rl.mini_batches": 2}, False),  # the second mini-batch's step starts from the first one's parameters
+    ({"algorithm": "reinforce_pp", "advantage.kl_in_reward_coef": 0.05}, False),  # prepare's KL reads them
+    ({"algorithm": "reinforce_pp"}, True),  # no KL coefficient: nothing in prepare reads them
+    ({"algorithm": "ppo", "loss.kl_loss_coef": 0.1}, True),  # the KL loss reads the reference's, in the step
+])
+def test_old_logprobs_come_from_the_train_step_only_for_one_optimiser_step(change, in_step):
+    """config.rl.old_logprobs="auto" (the default) lets the train step take the old log-probabilities from its own
+    forward pass (prepare skips its pass over the policy) exactly when they would be that pass's values."""
+    c = quickstart.get_config()
+    for key, value in change.items():
+        section, _, name = key.rpartition(".")
+        setattr(c[section] if section else c, name, value)
+    assert TrainConfig.build(c).resolved_algorithm().old_logprobs_in_step is in_step
+    c.rl.old_logprobs = "sometimes"
+    with pytest.raises(ConfigError, match="config.rl.old_logprobs='sometimes' is out of range; allowed: one of "
+                                          "'auto', 'prepare'"):
+        TrainConfig.build(c)
+
+
 def test_placeholders_are_settable_through_config_flags():
     """The ml-collections command-line override path the trainer's --config flag uses."""
     argv = ["train", f"--config={ROOT}/experiments/quickstart.py:cpu", "--config.loss.logprob_chunk=64",

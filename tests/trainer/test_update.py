@@ -1,6 +1,7 @@
 """The jitted RL step: `prepare` fills the packed batch exactly as the reference estimators would on the
 unpacked trajectories; micro-batching, packing and sharding leave the update unchanged; it learns."""
 import collections
+import dataclasses
 import types
 
 import jax
@@ -343,6 +344,64 @@ def test_ppo_critic_fits_returns(policy):
     values = _packed_apply(lambda rows: values_of(critic, state.critic.params, rows), batch)
     on = mask > 0
     assert abs(values[on].mean() - 0.7) < 0.1
+
+
+# ============================================================================ old log-probs from the train step
+IN_STEP_CASES = {  # (recipe, advantage knobs, loss knobs)
+    "grpo": ("grpo", {}, dict(clip_eps=0.2, clip_eps_high=0.28, kl_loss_coef=0.05, entropy_coef=0.01, is_cap=2.0)),
+    "gspo": ("gspo", {}, {"is_cap": 2.0}),
+    "ppo": ("ppo", {"gamma": 0.99, "lam": 0.95}, {"kl_loss_coef": 0.05}),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_STEP_CASES))
+def test_old_logprobs_taken_in_the_train_step_give_the_prepared_update(policy, case):
+    """`old_logprobs_in_step` (config.rl.old_logprobs="auto" with one epoch of one mini-batch): prepare runs no
+    pass of the policy (its rows carry no old log-probs; reference log-probs, values and advantages as before)
+    and the train step takes them from its own forward pass. One step over 2 micro-batches gives the parameters,
+    critic and scalars of the prepared path, whose old log-probs come from a pass of their own, and the ratio is
+    exactly 1 (the KL loss, entropy bonus, truncated IS and clipping terms run as in a real step)."""
+    model, params = policy
+    name, advantage, loss = IN_STEP_CASES[case]
+    prepared_alg = _alg(name, advantage, **loss)
+    in_step_alg = dataclasses.replace(prepared_alg, old_logprobs_in_step=True)
+    arrays, lengths = _multi_turn_batch(8, n=12, min_len=6)
+    arrays = _with_old_logprobs(model, params, arrays, lengths)  # sampler log-probs near the policy's own
+    rng = np.random.default_rng(8)
+    batch = _pack(arrays, lengths, row_len=2 * T, rewards=rng.normal(size=12).astype(np.float32),
+                  group_ids=np.arange(12) // 3, micro_batches=2)
+    assert batch.rows.tokens.shape[:2] == (1, 2)
+    critic = critic_params = None
+    if prepared_alg.needs_critic:
+        critic = ValueModel(CFG)
+        critic_params = init_params(critic, jax.random.PRNGKey(1))
+    ref_params = init_params(model, jax.random.PRNGKey(7)) if prepared_alg.needs_reference else None
+    sgd = optax.sgd(1.0)  # the update is the gradient itself
+    results = []
+    for alg in (prepared_alg, in_step_alg):
+        state = create_train_state(_fresh(params), sgd, critic_params=critic and _fresh(critic_params),
+                                   critic_opt=sgd if critic else None, ref_params=ref_params and _fresh(ref_params))
+        filled, prepared = make_prepare_fn(model, alg, critic_model=critic)(state, batch)
+        step = make_train_step(model, alg, sgd, critic_model=critic, critic_opt=sgd if critic else None)
+        state, metrics = step(state, take_minibatch(filled.rows, 0))
+        results.append((jax.device_get(filled.rows), jax.device_get({**prepared, **metrics}), state))
+    (rows_p, got_p, state_p), (rows_s, got_s, state_s) = results
+
+    assert rows_p.old_logprobs is not None and rows_s.old_logprobs is None
+    for field in ("advantages", "loss_weights", "ref_logprobs", "old_values", "returns"):
+        jax.tree.map(np.testing.assert_array_equal, getattr(rows_s, field), getattr(rows_p, field))
+    assert _max_diff(state_p.policy.params, params) > 1e-3  # the step did something
+    assert _max_diff(state_s.policy.params, state_p.policy.params) <= 1e-5
+    if critic is not None:
+        assert _max_diff(state_s.critic.params, state_p.critic.params) <= 1e-6
+    keys = {k for k in got_p if k.startswith("policy/") or k.startswith("mismatch/")} - {"policy/nonfinite"}
+    assert keys == {k for k in got_s if k.startswith("policy/") or k.startswith("mismatch/")} - {"policy/nonfinite"}
+    assert "mismatch/sampler_vs_trainer_logprob_abs" in keys and got_p["mismatch/sampler_vs_trainer_logprob_abs"] > 0.01
+    for k in sorted(keys):
+        assert abs(got_s[k] - got_p[k]) <= 1e-5 * max(1.0, abs(got_p[k])), (k, got_s[k], got_p[k])
+    ratio = "policy/ratio_max"
+    if ratio in got_s:
+        assert got_s[ratio] == 1.0 and got_s["policy/clip_fraction"] == 0.0
 
 
 # ====================================================================================== prepare vs reference
