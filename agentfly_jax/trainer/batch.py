@@ -59,7 +59,7 @@ class PackedRows(flax.struct.PyTreeNode):
     segment_ids: Any  # int32, 1, 2, ... per row; 0 = padding
     action_mask: Any  # float32, 1 on sampled tokens
     sampler_logprobs: Any  # float32, the rollout engine's logprobs (0 off-action)
-    old_logprobs: Any = None  # the policy before this update
+    old_logprobs: Any = None  # the policy before this update (None: the train step takes its own, rl.old_logprobs)
     ref_logprobs: Any = None  # the frozen reference policy
     old_values: Any = None  # the critic before this update (0 off-action)
     advantages: Any = None

@@ -40,5 +40,5 @@ def build(config, path, seed=0, cls=transformers.AutoModelForCausalLM, **kwargs)
 
 def hf_logits(model, input_ids, **kw):
     with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(np.asarray(input_ids)), **kw)
+        out = model(input_ids=torch.as_tensor(np.array(input_ids)), **kw)  # a copy: a JAX array reads as read-only
     return out.logits.float().numpy()
