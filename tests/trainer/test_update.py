@@ -399,9 +399,7 @@ def test_old_logprobs_taken_in_the_train_step_give_the_prepared_update(policy, c
     assert "mismatch/sampler_vs_trainer_logprob_abs" in keys and got_p["mismatch/sampler_vs_trainer_logprob_abs"] > 0.01
     for k in sorted(keys):
         assert abs(got_s[k] - got_p[k]) <= 1e-5 * max(1.0, abs(got_p[k])), (k, got_s[k], got_p[k])
-    ratio = "policy/ratio_max"
-    if ratio in got_s:
-        assert got_s[ratio] == 1.0 and got_s["policy/clip_fraction"] == 0.0
+    assert got_s["policy/ratio_max"] == 1.0 and got_s["policy/clip_fraction"] == 0.0
 
 
 # ====================================================================================== prepare vs reference
