@@ -49,6 +49,11 @@ def _timeit(fn, steps: int, warmup: int) -> list[float]:
     return times
 
 
+def _ms_of(times: list[float]) -> dict:
+    """A timed variant's step_ms (the middle of the sorted times) and step_ms_min, in ms to 3 decimals."""
+    return {"step_ms": round(1e3 * sorted(times)[len(times) // 2], 3), "step_ms_min": round(1e3 * min(times), 3)}
+
+
 # A GPU program replays most of its kernels as CUDA graphs (XLA's command buffers); the trace then names every kernel
 # of a graph after the graph (one `command_buffer` HLO op for most of the step, seen on an H200), so --profile turns
 # them off unless XLA_FLAGS already says how to run them (at the 0.5B shape on an H200 the step took 69.67 ms without
@@ -81,10 +86,11 @@ def run_jax(args) -> dict:
     trainable = lora.is_adapter if args.lora_rank else None  # LoRA: adapters trained, the base frozen
     params = init_params(model, jax.random.PRNGKey(0))
     if args.mode in ("optimizer", "rl_step"):
-        timed = _time_optimizers if args.mode == "optimizer" else _time_rl_steps
+        variants = (_time_optimizers(args, params, trainable) if args.mode == "optimizer"
+                    else _time_rl_steps(args, model, params, trainable))
         return {"impl": "agentfly_jax", "device": jax.devices()[0].device_kind, "mode": args.mode,
                 "fp32_params": args.fp32_params, "lora_rank": args.lora_rank, "shape": args.shape,
-                "dtype": args.dtype, "variants": timed(args, model, params, trainable)}
+                "dtype": args.dtype, "variants": variants}
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-6, weight_decay=0.01, fused=args.fused_optimizer,
                                                update_norm=args.update_norm))
     state = create_train_state(jax.tree.map(jnp.copy, params), optimizer, trainable=trainable)
@@ -218,7 +224,7 @@ def _profile(one, hlo_text: str, calls: int) -> dict:
             "unlabelled_top": dict(list(unlabelled.items())[:12]), "copies_top": copies_top}
 
 
-def _time_optimizers(args, model, params, trainable) -> dict:
+def _time_optimizers(args, params, trainable) -> dict:
     """`--mode optimizer`: the trainer's optimiser step alone (`update._apply`: global-norm clip, AdamW, the
     non-finite skip and the gradient/update/parameter norms it logs; state donated) on fixed random gradients,
     for each `optimizer.fused` setting in turn, in this one process. -> {setting: timings}."""
@@ -252,8 +258,7 @@ def _time_optimizers(args, model, params, trainable) -> dict:
             jax.block_until_ready(metrics)
 
         times = _timeit(one, args.steps, args.warmup)
-        out[setting] = {"step_ms": round(1e3 * sorted(times)[len(times) // 2], 3),
-                        "step_ms_min": round(1e3 * min(times), 3), "compile_s": round(compile_s, 2),
+        out[setting] = {**_ms_of(times), "compile_s": round(compile_s, 2),
                         "fusions": hlo.count("kind=k"),  # fused kernels in the compiled program (XLA's fusions)
                         "optimizer_arrays": len(jax.tree.leaves(holder["ms"].opt_state))}
         print(f"optimizer {setting}: {out[setting]}", file=sys.stderr, flush=True)
@@ -308,8 +313,7 @@ def _time_rl_steps(args, model, params, trainable) -> dict:
         times = _timeit(one, args.steps, args.warmup)
         cost = (prepare_c.cost_analysis() or {})
         cost = cost[0] if isinstance(cost, list) else cost
-        out[setting] = {"step_ms": round(1e3 * sorted(times)[len(times) // 2], 3),
-                        "step_ms_min": round(1e3 * min(times), 3), "compile_s": round(compile_s, 2),
+        out[setting] = {**_ms_of(times), "compile_s": round(compile_s, 2),
                         "prepare_gflop": round(float(cost.get("flops", 0.0)) / 1e9, 3)}
         print(f"rl_step old_logprobs={setting}: {out[setting]}", file=sys.stderr, flush=True)
         holder.clear()
@@ -347,10 +351,9 @@ def run_torch(args) -> dict:
 
         one()
         times = _timeit(one, args.steps, args.warmup)
-        median = sorted(times)[len(times) // 2]
         return {"impl": "transformers+torch", "device": torch.cuda.get_device_name() if cuda else "cpu",
-                "mode": args.mode, "torch": torch.__version__, "step_ms": round(1e3 * median, 3),
-                "step_ms_min": round(1e3 * min(times), 3), "parameter_leaves": len(list(model.parameters()))}
+                "mode": args.mode, "torch": torch.__version__, **_ms_of(times),
+                "parameter_leaves": len(list(model.parameters()))}
 
     def one():
         loss = model(input_ids=ids, labels=ids).loss

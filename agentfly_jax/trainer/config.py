@@ -679,8 +679,9 @@ class TrainConfig:
         if resolved.aggregation == "seq-mean-token-sum-norm" and resolved.norm_len is None:
             resolved = dataclasses.replace(resolved, norm_len=self.agent.max_context_tokens)
         one_step = self.rl.ppo_epochs == 1 and self.rl.mini_batches == 1
-        kl_reward = recipe.kl_in_reward and bool(resolved.kl_in_reward_coef)  # prepare reads the old log-probs
-        if self.rl.old_logprobs == "auto" and one_step and not kl_reward:
+        # a KL term in the reward (only recipes that take one accept the coefficient) is computed by prepare from
+        # the old log-probs
+        if self.rl.old_logprobs == "auto" and one_step and not resolved.kl_in_reward_coef:
             resolved = dataclasses.replace(resolved, old_logprobs_in_step=True)
         return resolved
 

@@ -69,6 +69,11 @@ def values_of(model, params, rows: PackedRows):
 MISMATCH = "mismatch/sampler_vs_trainer_logprob_abs"
 
 
+def _sampler_mismatch(old_logprobs, rows: PackedRows):
+    """MISMATCH's value over the action tokens of `rows` (any leading axes)."""
+    return _mean_on(jnp.abs(old_logprobs - rows.sampler_logprobs), rows.action_mask)
+
+
 def policy_loss(params, rows: PackedRows, model, alg: ResolvedAlgorithm):
     """(loss, metrics) on one micro-batch; the loss is sum(loss_weights * per-token terms). With
     `alg.old_logprobs_in_step` the old log-probabilities are this forward pass's own (`rows.old_logprobs` unread)
@@ -80,7 +85,7 @@ def policy_loss(params, rows: PackedRows, model, alg: ResolvedAlgorithm):
     old_logprobs = rows.old_logprobs
     if alg.old_logprobs_in_step:  # the parameters prepare would have read: their values, without a gradient
         old_logprobs = jax.lax.stop_gradient(logprobs)
-        metrics[MISMATCH] = _mean_on(jnp.abs(old_logprobs - rows.sampler_logprobs), mask)
+        metrics[MISMATCH] = _sampler_mismatch(old_logprobs, rows)
     pg_weights = token_weights
     if alg.is_cap is not None:
         is_weights, is_metrics = algorithms.truncated_is_weights(
@@ -364,7 +369,7 @@ def make_prepare_fn(policy_model, alg: ResolvedAlgorithm, *, critic_model=None, 
             "advantages/std": jnp.sqrt(jnp.sum(jnp.where(on, (advantages - adv_mean) ** 2, 0.0)) / count),
         }
         if old is not None:
-            metrics[MISMATCH] = _mean_on(jnp.abs(old - rows.sampler_logprobs), rows.action_mask)
+            metrics[MISMATCH] = _sampler_mismatch(old, rows)
         return batch.replace(rows=filled), metrics
 
     return jax.jit(_traced_counting(prepare, traces, "prepare"), compiler_options=gpu_compiler_options(gpu_gemm))
